@@ -1,0 +1,305 @@
+"""The one owner of saving and loading training state.
+
+A checkpoint is a directory ``checkpoint-N``::
+
+    checkpoint-N/
+      trainer_state.json          counters, data position, RNG states, W&B identity, config,
+                                  fingerprints, optimizer/scheduler hyper-state, file sizes + sha256
+      rng.safetensors             torch CPU / CUDA generator states
+      agent-0/model.safetensors   agent 0 weights
+      agent-0/optimizer.safetensors  agent 0 AdamW moments
+      agent-1/...
+
+Tensors live in safetensors and everything else in JSON, so loading never unpickles anything: a
+tampered checkpoint cannot run code. Every file's size and sha256 are recorded and verified on load.
+A checkpoint is written into a hidden temporary sibling, fsynced, then renamed into place, so a
+crash at any instant leaves either no ``checkpoint-N`` or a complete one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from .exceptions import CheckpointError
+from ._io import fsync_dir
+
+__all__ = [
+    "FORMAT_VERSION",
+    "STATE_FILE",
+    "checkpoint_path",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "read_state",
+    "save_checkpoint",
+    "load_checkpoint",
+    "prune_checkpoints",
+    "capture_rng_state",
+    "restore_rng_state",
+]
+
+FORMAT_VERSION = 1
+STATE_FILE = "trainer_state.json"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_path(directory: str | os.PathLike, number: int) -> Path:
+    return Path(directory) / f"checkpoint-{number}"
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Committed ``checkpoint-N`` directories (with a state file), oldest first by N."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for child in directory.iterdir():
+        match = _NAME.match(child.name)
+        if match and child.is_dir() and (child / STATE_FILE).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(directory: str | os.PathLike) -> Optional[Path]:
+    """The newest complete checkpoint in ``directory`` (verified), or None if there is none.
+
+    A directory that fails verification (truncated or corrupted files) is skipped, so a damaged
+    newest checkpoint falls back to the one before it.
+    """
+    for path in reversed(list_checkpoints(directory)):
+        try:
+            verify_files(path, read_state(path))
+        except CheckpointError:
+            continue
+        return path
+    return None
+
+
+def read_state(path: str | os.PathLike) -> dict[str, Any]:
+    """Parse ``trainer_state.json`` of a checkpoint (JSON only; no tensors are read)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist.")
+    state_file = path / STATE_FILE
+    if not state_file.is_file():
+        raise CheckpointError(f"{path} is not a complete comlrl checkpoint: {STATE_FILE} is missing.")
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is corrupted ({exc}).") from exc
+    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"checkpoint {path}: unsupported or missing format_version "
+            f"{state.get('format_version') if isinstance(state, dict) else None!r} (expected {FORMAT_VERSION})."
+        )
+    return state
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_files(path: Path, state: dict[str, Any]) -> None:
+    """Check that every file the state lists exists with the recorded size and sha256."""
+    files = state.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"checkpoint {path}: the file list in {STATE_FILE} is missing.")
+    for rel, info in files.items():
+        target = (path / rel).resolve()
+        if path.resolve() not in target.parents:
+            raise CheckpointError(f"checkpoint {path}: file entry {rel!r} points outside the checkpoint.")
+        if not target.is_file():
+            raise CheckpointError(f"checkpoint {path}: {rel} is missing.")
+        size = target.stat().st_size
+        if size != info.get("bytes"):
+            raise CheckpointError(
+                f"checkpoint {path}: {rel} has {size} bytes, expected {info.get('bytes')} (truncated or replaced)."
+            )
+        if _sha256(target) != info.get("sha256"):
+            raise CheckpointError(f"checkpoint {path}: {rel} does not match its recorded sha256 (corrupted or tampered).")
+
+
+# --- random states -------------------------------------------------------------------------------
+
+def capture_rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Python, NumPy, torch CPU and CUDA generator states: (JSON part, tensor part)."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state()
+    json_part = {
+        "python": [version, list(internal), gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = s
+    return json_part, tensors
+
+
+def restore_rng_state(json_part: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    version, internal, gauss = json_part["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = json_part["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        # Same device count: exact. A different count (moved machine) restores what matches.
+        states = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+        for i, s in enumerate(states[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+# --- optimizer state ---------------------------------------------------------------------------
+
+def _split_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, per_param in state_dict["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    meta = {"param_groups": state_dict["param_groups"], "scalars": scalars}
+    json.dumps(meta)  # fail here, at save time, on anything JSON cannot hold
+    return meta, tensors
+
+
+def _join_optimizer_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for name, tensor in tensors.items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = tensor
+    for index, values in meta["scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+# --- save / load ---------------------------------------------------------------------------------
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def save_checkpoint(directory: str | os.PathLike, number: int, models: Sequence[torch.nn.Module],
+                    optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any],
+                    state: dict[str, Any]) -> Path:
+    """Write ``directory/checkpoint-{number}`` atomically and return its path.
+
+    ``state`` is the trainer's JSON-ready record (counters, config, fingerprints, ...); this
+    function adds RNG states, optimizer/scheduler hyper-state and the file manifest.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_path(directory, number)
+    tmp = directory / f".tmp-checkpoint-{number}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        record = dict(state)
+        record["format_version"] = FORMAT_VERSION
+        record["checkpoint"] = number
+        rng_json, rng_tensors = capture_rng_state()
+        record["rng"] = rng_json
+        save_file(rng_tensors, str(tmp / "rng.safetensors"))
+        record["optimizers"], record["schedulers"] = [], []
+        for i, (model, optimizer) in enumerate(zip(models, optimizers)):
+            agent_dir = tmp / f"agent-{i}"
+            agent_dir.mkdir()
+            save_model(model, str(agent_dir / "model.safetensors"))
+            meta, tensors = _split_optimizer_state(optimizer.state_dict())
+            save_file(tensors, str(agent_dir / "optimizer.safetensors"))
+            record["optimizers"].append(meta)
+        record["schedulers"] = [s.state_dict() for s in schedulers]
+        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        record["files"] = {}
+        for f in files:
+            _fsync_file(f)
+            record["files"][f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        state_file = tmp / STATE_FILE
+        with open(state_file, "w", encoding="utf-8") as handle:
+            json.dump(record, handle, indent=1, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        for sub in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
+            fsync_dir(sub)
+        if final.exists():
+            # Re-saving a number (resumed from an older checkpoint): swap, then drop the old copy.
+            old = directory / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            fsync_dir(directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_dir(directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_checkpoint(path: str | os.PathLike, models: Sequence[torch.nn.Module],
+                    optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any],
+                    restore_rng: bool = True) -> dict[str, Any]:
+    """Verify ``path`` and load weights, optimizer and scheduler state and RNG states in place.
+
+    Returns the checkpoint's JSON state. Raises :class:`CheckpointError` naming the checkpoint and
+    the problem for anything missing, truncated, corrupted, tampered or of the wrong shape.
+    """
+    path = Path(path)
+    state = read_state(path)
+    verify_files(path, state)
+    if len(state.get("optimizers", [])) != len(models):
+        raise CheckpointError(
+            f"checkpoint {path} holds {len(state.get('optimizers', []))} agent(s); this trainer has {len(models)}."
+        )
+    try:
+        for i, (model, optimizer) in enumerate(zip(models, optimizers)):
+            missing, unexpected = load_model(model, str(path / f"agent-{i}" / "model.safetensors"),
+                                             strict=False, device=str(next(model.parameters()).device))
+            if missing or unexpected:
+                raise CheckpointError(f"checkpoint {path}: agent-{i} weights do not fit the model "
+                                      f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}).")
+            tensors = load_file(str(path / f"agent-{i}" / "optimizer.safetensors"))
+            optimizer.load_state_dict(_join_optimizer_state(state["optimizers"][i], tensors))
+        for scheduler, saved in zip(schedulers, state.get("schedulers", [])):
+            scheduler.load_state_dict(saved)
+        if restore_rng:
+            restore_rng_state(state["rng"], load_file(str(path / "rng.safetensors")))
+    except CheckpointError:
+        raise
+    except (SafetensorError, RuntimeError, KeyError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path} could not be loaded: {type(exc).__name__}: {exc}") from exc
+    return state
+
+
+def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` committed checkpoints; return what was removed."""
+    existing = list_checkpoints(directory)
+    doomed = existing[: max(0, len(existing) - keep)]
+    for path in doomed:
+        # Rename first so that a crash mid-delete never leaves a half-deleted checkpoint-N behind.
+        trash = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    if doomed:
+        fsync_dir(directory)
+    return doomed

@@ -1,0 +1,71 @@
+"""The exceptions comlrl raises on bad input.
+
+Every error a user can cause derives from :class:`ComlrlError`, and each also derives from the
+built-in exception a Python user would try first (``ValueError``, ``TypeError``), so both
+``except ComlrlError`` and ``except ValueError`` work.
+
+    ComlrlError
+    ├── ConfigError            (ValueError)  a config field is invalid; raised when the config is built
+    ├── DataError              (ValueError)  the dataset or a formatter output is unusable
+    ├── TokenizerError         (ValueError)  tokenizer missing, incompatible with a model, ...
+    ├── RewardError            (ValueError)  the reward function raised or returned bad values
+    └── CheckpointError        (ValueError)  a checkpoint is missing, incomplete, corrupted or tampered
+        ├── CheckpointDirError               checkpoint_dir holds another run's checkpoints
+        └── ResumeMismatchError              resuming with settings that must not change
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ComlrlError",
+    "ConfigError",
+    "DataError",
+    "TokenizerError",
+    "RewardError",
+    "CheckpointError",
+    "CheckpointDirError",
+    "ResumeMismatchError",
+]
+
+
+class ComlrlError(Exception):
+    """Base class of every error comlrl raises because of user input."""
+
+
+class ConfigError(ComlrlError, ValueError):
+    """A configuration value is invalid. Raised when the config (or trainer) is built."""
+
+
+class DataError(ComlrlError, ValueError):
+    """The training/eval dataset, or what a formatter made of it, cannot be used."""
+
+
+class TokenizerError(ComlrlError, ValueError):
+    """A tokenizer is missing, unusable, or incompatible with the agent models."""
+
+
+class RewardError(ComlrlError, ValueError):
+    """The reward function raised, or returned the wrong number or kind of values."""
+
+
+class CheckpointError(ComlrlError, ValueError):
+    """A checkpoint cannot be used: missing, incomplete, corrupted or tampered with."""
+
+
+class CheckpointDirError(CheckpointError):
+    """A fresh run was pointed at a directory that already holds another run's checkpoints."""
+
+
+class ResumeMismatchError(CheckpointError):
+    """Resuming with models, data, reward function or settings that differ from the checkpoint's."""
+
+    def __init__(self, checkpoint: str, differences: list[str]):
+        self.checkpoint = checkpoint
+        self.differences = list(differences)
+        lines = "\n".join(f"  - {d}" for d in self.differences)
+        super().__init__(
+            f"Cannot resume from {checkpoint}: the run was set up differently when it was saved.\n"
+            f"{lines}\n"
+            "Only num_train_epochs, the device, logging/eval intervals and checkpoint settings may "
+            "change on resume. Restore the items above, or start a fresh run in a new checkpoint_dir."
+        )

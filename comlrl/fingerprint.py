@@ -1,0 +1,90 @@
+"""Fingerprints: short digests that tell whether a resumed run is set up like the saved one."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+__all__ = ["digest", "model_fingerprint", "tokenizer_fingerprint", "dataset_fingerprint", "callable_fingerprint",
+           "compare_fingerprints"]
+
+# Model config keys that describe where/how a model was loaded, not what it computes.
+_VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash",
+                         "_attn_implementation_autoset", "_attn_implementation", "use_cache"}
+
+
+def digest(value: Any) -> str:
+    text = json.dumps(value, sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def model_fingerprint(model: torch.nn.Module) -> dict[str, str]:
+    """Architecture class, config and parameter names/shapes/dtypes (not the values, which train)."""
+    config = getattr(model, "config", None)
+    config_dict = config.to_dict() if hasattr(config, "to_dict") else {}
+    config_dict = {k: v for k, v in config_dict.items() if k not in _VOLATILE_CONFIG_KEYS}
+    params = [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+    return {
+        "class": type(model).__name__,
+        "config": digest(config_dict),
+        "parameters": digest(params),
+        "trainable": digest([n for n, p in model.named_parameters() if p.requires_grad]),
+    }
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Vocabulary, merges, special tokens and chat template."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items())
+    return digest({
+        "class": type(tokenizer).__name__,
+        "body": hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest(),
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    })
+
+
+def dataset_fingerprint(rows: Iterable[Any]) -> str:
+    """Digest of every row's content, in order."""
+    h = hashlib.sha256()
+    count = 0
+    for row in rows:
+        h.update(json.dumps(row, sort_keys=True, default=repr).encode("utf-8"))
+        h.update(b"\n")
+        count += 1
+    return f"{count}:{h.hexdigest()[:16]}"
+
+
+def callable_fingerprint(func: Optional[Callable]) -> Optional[str]:
+    """Qualified name plus a digest of the source (or bytecode) of a user function."""
+    if func is None:
+        return None
+    target = getattr(func, "__func__", func)
+    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
+    try:
+        body = inspect.getsource(target)
+    except (OSError, TypeError):
+        code = getattr(target, "__code__", None)
+        body = code.co_code.hex() if code is not None else repr(target)
+    return f"{name}:{hashlib.sha256(body.encode('utf-8')).hexdigest()[:16]}"
+
+
+def compare_fingerprints(saved: Any, current: Any, prefix: str = "") -> list[str]:
+    """Human-readable list of the leaves that differ between two nested fingerprint records."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        out = []
+        for key in sorted(set(saved) | set(current)):
+            out += compare_fingerprints(saved.get(key), current.get(key), f"{prefix}.{key}" if prefix else key)
+        return out
+    if isinstance(saved, list) and isinstance(current, list) and len(saved) == len(current):
+        out = []
+        for i, (a, b) in enumerate(zip(saved, current)):
+            out += compare_fingerprints(a, b, f"{prefix}[{i}]")
+        return out
+    if saved != current:
+        return [f"{prefix}: saved {saved!r}, now {current!r}"]
+    return []

@@ -1,0 +1,210 @@
+"""Rollout: every agent samples K completions per prompt, batched over prompts x generations.
+
+Sampling is counter-based: row ``r`` draws its random numbers from its own generator, seeded by
+:func:`derive_seed` from (run seed, agent, epoch, example, generation). So a completion does not
+depend on which other prompts share its batch (batched == one prompt at a time), on the device,
+or on anything that happened earlier in the process, and resuming needs no sampler state at all.
+
+The sampler is a plain KV-cache loop: one prefill of the left-padded prompts, then one forward of
+``[R, 1]`` tokens per new token, logits only for the last position, inverse-CDF sampling with the
+row's uniform number. It stops as soon as every row has produced an end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .losses import completion_mask
+
+__all__ = [
+    "Rollout",
+    "SamplingParams",
+    "derive_seed",
+    "row_uniforms",
+    "sample_tokens",
+    "generate",
+    "rollout",
+]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn. ``top_k`` None or 0 = no limit; ``top_p`` 1.0 = no nucleus cut."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: Optional[int] = None
+
+
+@dataclass
+class Rollout:
+    """One agent's completions for a batch of prompts. Rows are prompt-major: row = g * K + k."""
+
+    prompt_ids: torch.Tensor       # [R, P] int64, left-padded with pad_token_id
+    prompt_mask: torch.Tensor      # [R, P] int64, 1 = real prompt token
+    completion_ids: torch.Tensor   # [R, T] int64, right-padded after the first EOS
+    completion_mask: torch.Tensor  # [R, T] bool, tokens up to and including the first EOS
+    group_ids: torch.Tensor        # [R] int64, index of the prompt (group) of each row
+    texts: list[str]               # R decoded completions, EOS and padding stripped
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[R]`` number of scored tokens per completion."""
+        return self.completion_mask.sum(dim=1)
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed that depends only on ``parts`` (stable across processes and platforms)."""
+    digest = hashlib.blake2b(repr(parts).encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def row_uniforms(seeds: Sequence[int], length: int) -> torch.Tensor:
+    """``[R, length]`` float64 uniforms in (0, 1], row r drawn from its own generator ``seeds[r]``."""
+    rows = [torch.rand(length, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
+    return 1.0 - torch.stack(rows) if rows else torch.empty(0, length, dtype=torch.float64)
+
+
+def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float = 1.0,
+                  top_p: float = 1.0, top_k: Optional[int] = None) -> torch.Tensor:
+    """Draw one token per row by inverting the CDF of the filtered distribution.
+
+    Args:
+        logits: ``[R, V]`` next-token logits.
+        uniforms: ``[R]`` numbers in (0, 1]; the same number always picks the same token from the
+            same distribution, which is what makes sampling reproducible row by row.
+    Returns:
+        ``[R]`` int64 token ids. Filtering follows transformers' order: temperature, top-k, top-p.
+    """
+    scores = logits.float() / temperature
+    if top_k:
+        k = min(int(top_k), scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, -torch.inf)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float64)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[:, 0] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    cdf = torch.cumsum(probs, dim=-1)
+    target = uniforms.to(cdf.device, torch.float64).unsqueeze(-1) * cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, target).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """transformers 5 names the KV cache argument ``cache``; older releases ``past_key_values``."""
+    forward = getattr(model, "get_base_model", lambda: model)().forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def _output_cache(output: object) -> object:
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values")
+
+
+@torch.inference_mode()
+def generate(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+             uniforms: torch.Tensor, params: SamplingParams, eos_token_ids: Sequence[int],
+             pad_token_id: int) -> torch.Tensor:
+    """Sample completions for left-padded prompts with a KV cache.
+
+    Args:
+        prompt_ids, prompt_mask: ``[R, P]`` on the model's device, left-padded.
+        uniforms: ``[R, max_new_tokens]`` from :func:`row_uniforms`.
+    Returns:
+        ``[R, T]`` int64 completion ids, ``T <= max_new_tokens`` (the loop stops once every row
+        has ended); positions after a row's first EOS hold ``pad_token_id``.
+    """
+    device = prompt_ids.device
+    rows = prompt_ids.shape[0]
+    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
+    cache_kw = _cache_kwarg(model)
+    attention = prompt_mask
+    positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions,
+                use_cache=True, logits_to_keep=1)
+    next_position = positions[:, -1:] + 1
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    uniforms = uniforms.to(device)
+    ones = torch.ones(rows, 1, dtype=attention.dtype, device=device)
+    steps = []
+    for t in range(params.max_new_tokens):
+        token = sample_tokens(out.logits[:, -1, :], uniforms[:, t], params.temperature, params.top_p, params.top_k)
+        token = token.masked_fill(finished, pad_token_id)
+        steps.append(token)
+        finished |= torch.isin(token, eos)
+        if t + 1 == params.max_new_tokens or bool(finished.all()):
+            break
+        attention = torch.cat([attention, ones], dim=1)
+        out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=next_position,
+                    use_cache=True, **{cache_kw: _output_cache(out)})
+        next_position = next_position + 1
+    return torch.stack(steps, dim=1)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str = "cpu"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to ``[R, P]`` ids and an attention mask."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if seq:
+            ids[row, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def rollout(model: torch.nn.Module, tokenizer, prompts: Sequence[str], seeds: Sequence[Sequence[int]],
+            params: SamplingParams, eos_token_ids: Sequence[int]) -> Rollout:
+    """Sample ``K = len(seeds[g])`` completions for each prompt ``g`` in one batched call.
+
+    Args:
+        prompts: G prompt strings.
+        seeds: ``[G][K]`` per-completion seeds (see :func:`derive_seed`).
+    Returns:
+        A :class:`Rollout` with ``R = G * K`` rows, prompt-major.
+    """
+    device = next(model.parameters()).device
+    encoded = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    group_size = len(seeds[0])
+    rows = [ids for ids in encoded for _ in range(group_size)]
+    prompt_ids, prompt_mask = left_pad(rows, tokenizer.pad_token_id, device)
+    uniforms = row_uniforms([s for group in seeds for s in group], params.max_new_tokens)
+    was_training = model.training
+    model.eval()
+    try:
+        # clone(): tensors made under inference_mode cannot enter the autograd graph of the update.
+        completion_ids = generate(model, prompt_ids, prompt_mask, uniforms, params, eos_token_ids,
+                                  tokenizer.pad_token_id).clone()
+    finally:
+        model.train(was_training)
+    mask = completion_mask(completion_ids, eos_token_ids)
+    texts = decode_completions(tokenizer, completion_ids, mask, eos_token_ids)
+    group_ids = torch.arange(len(prompts), device=device).repeat_interleave(group_size)
+    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, group_ids, texts)
+
+
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor,
+                       eos_token_ids: Sequence[int]) -> list[str]:
+    """Decode each row's scored tokens, dropping the closing EOS."""
+    eos = set(eos_token_ids)
+    ids = completion_ids.tolist()
+    lengths = mask.sum(dim=1).tolist()
+    kept = []
+    for row, n in zip(ids, lengths):
+        row = row[:n]
+        if row and row[-1] in eos:
+            row = row[:-1]
+        kept.append(row)
+    return tokenizer.batch_decode(kept, skip_special_tokens=True)

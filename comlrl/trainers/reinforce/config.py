@@ -1,0 +1,184 @@
+"""MAGRPOConfig: every setting of a MAGRPO run, checked when it is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ...exceptions import ConfigError
+
+__all__ = ["MAGRPOConfig", "RESUMABLE_FIELDS"]
+
+ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
+JOINT_MODES = ("aligned",)
+LOSS_TYPES = ("grpo", "token_mean", "dr_grpo")
+
+# Names users of other libraries type, mapped to ours, for the "unknown field" message.
+_ALIASES = {
+    "learning_rate": "agent_learning_rate",
+    "lr": "agent_learning_rate",
+    "per_device_train_batch_size": "train_batch_size",
+    "batch_size": "train_batch_size",
+    "num_epochs": "num_train_epochs",
+    "epochs": "num_train_epochs",
+    "grad_clip": "max_grad_norm",
+    "max_completion_length": "max_new_tokens",
+    "scale_rewards": "advantage_normalization",
+    "group_size": "num_generations",
+}
+
+
+def _may_change(default: Any, doc: str) -> Any:
+    """A field that may differ between a checkpoint and the run that resumes it."""
+    return field(default=default, metadata={"doc": doc, "may_change_on_resume": True})
+
+
+def _fixed(default: Any, doc: str) -> Any:
+    """A field that must be equal on resume (the checkpoint's fingerprint covers it)."""
+    return field(default=default, metadata={"doc": doc, "may_change_on_resume": False})
+
+
+@dataclass(frozen=True)
+class MAGRPOConfig:
+    """Settings of a MAGRPO run. Frozen: build a new one (``dataclasses.replace``) to change it.
+
+    Every invariant is checked in ``__post_init__``; a bad value raises
+    :class:`comlrl.exceptions.ConfigError` naming the field and what to change.
+    """
+
+    # --- length of the run and bookkeeping -------------------------------------------------------
+    num_train_epochs: int = _may_change(20, "Epochs in the WHOLE run; resuming with a larger value extends it.")
+    logging_steps: int = _may_change(10, "Log metrics every this many optimizer steps (averaged over them).")
+    output_dir: str = _may_change("outputs", "Where metrics.jsonl goes when train() gets no checkpoint_dir.")
+    device: Optional[str] = _may_change(None, "Device for all agents, e.g. 'cpu', 'cuda:0'; None = cuda if available.")
+    seed: int = _fixed(42, "Seeds data order, sampling and model code; same seed + same inputs = same run.")
+
+    # --- optimisation (one AdamW per agent) ------------------------------------------------------
+    agent_learning_rate: float = _fixed(5.0e-6, "AdamW learning rate of every agent (constant after warmup).")
+    warmup_steps: int = _fixed(0, "Linear warmup of the learning rate over this many optimizer steps.")
+    weight_decay: float = _fixed(0.0, "AdamW decoupled weight decay.")
+    adam_beta1: float = _fixed(0.9, "AdamW beta1.")
+    adam_beta2: float = _fixed(0.999, "AdamW beta2.")
+    adam_epsilon: float = _fixed(1e-8, "AdamW epsilon.")
+    max_grad_norm: Optional[float] = _fixed(1.0, "Clip each agent's gradient to this L2 norm; None = no clipping.")
+    train_batch_size: int = _fixed(1, "Prompts per micro-batch; rollout and loss are batched over prompts x generations.")
+    gradient_accumulation_steps: int = _fixed(1, "Micro-batches per optimizer step.")
+    shuffle: bool = _fixed(True, "Shuffle the prompts every epoch (order derived from seed and epoch).")
+
+    # --- sampling ----------------------------------------------------------------------------------
+    num_generations: int = _fixed(4, "Completions each agent samples per prompt (the group size K).")
+    max_new_tokens: int = _fixed(256, "Most tokens an agent generates per completion.")
+    temperature: float = _fixed(1.0, "Sampling temperature; the loss scores tokens at the same temperature.")
+    top_p: float = _fixed(1.0, "Nucleus sampling: keep the smallest token set with this much probability.")
+    top_k: Optional[int] = _fixed(None, "Keep only the k most likely tokens; None or 0 = no limit.")
+
+    # --- MAGRPO ------------------------------------------------------------------------------------
+    num_turns: int = _fixed(1, "Turns per episode (multi-turn needs an external_transition; not yet available).")
+    joint_mode: str = _fixed("aligned", "'aligned': completion i of every agent forms joint action i.")
+    advantage_mode: str = _fixed("mean", "Baseline: 'mean' (r - group mean), 'raw' (r), 'max' (r - group max), 'rloo'.")
+    advantage_normalization: bool = _fixed(False, "Divide advantages by the group's reward std (GRPO's scaling).")
+    loss_type: str = _fixed("grpo", "'grpo': mean over a completion's tokens, then over completions; "
+                                    "'token_mean': mean over all tokens; 'dr_grpo': sum / max_new_tokens.")
+
+    def __post_init__(self) -> None:
+        _check_int(self, "num_train_epochs", minimum=1)
+        _check_int(self, "logging_steps", minimum=1)
+        _check_int(self, "seed", minimum=0)
+        _check_int(self, "warmup_steps", minimum=0)
+        _check_int(self, "train_batch_size", minimum=1)
+        _check_int(self, "gradient_accumulation_steps", minimum=1)
+        _check_int(self, "num_turns", minimum=1)
+        _check_int(self, "max_new_tokens", minimum=1)
+        if not isinstance(self.num_generations, int) or isinstance(self.num_generations, bool) \
+                or self.num_generations < 2:
+            raise ConfigError(
+                f"num_generations must be an int >= 2 (the group baseline compares a completion with the "
+                f"others sampled for the same prompt), got {self.num_generations!r}. Set num_generations=2 or more."
+            )
+        _check_float(self, "agent_learning_rate", lambda v: v > 0, "> 0")
+        _check_float(self, "weight_decay", lambda v: v >= 0, ">= 0")
+        _check_float(self, "adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)")
+        _check_float(self, "adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)")
+        _check_float(self, "adam_epsilon", lambda v: v > 0, "> 0")
+        _check_float(self, "temperature", lambda v: v > 0, "> 0 (use a small value such as 0.01 for near-greedy)")
+        _check_float(self, "top_p", lambda v: 0 < v <= 1, "in (0, 1] (1.0 disables nucleus sampling)")
+        if self.max_grad_norm is not None:
+            _check_float(self, "max_grad_norm", lambda v: v > 0, "> 0, or None to disable clipping")
+        if self.top_k is not None:
+            _check_int(self, "top_k", minimum=0)
+        if not isinstance(self.shuffle, bool):
+            raise ConfigError(f"shuffle must be True or False, got {self.shuffle!r}.")
+        if not isinstance(self.advantage_normalization, bool):
+            raise ConfigError(f"advantage_normalization must be True or False, got {self.advantage_normalization!r}.")
+        _check_choice(self, "joint_mode", JOINT_MODES)
+        _check_choice(self, "advantage_mode", ADVANTAGE_MODES)
+        _check_choice(self, "loss_type", LOSS_TYPES)
+        if self.num_turns > 1:
+            raise ConfigError(
+                f"num_turns={self.num_turns}: multi-turn training (with an external_transition) is not "
+                "available in this version. Set num_turns=1."
+            )
+        if self.device is not None and not isinstance(self.device, str):
+            raise ConfigError(f"device must be a string such as 'cpu' or 'cuda:0', or None; got {self.device!r}.")
+        if not isinstance(self.output_dir, str) or not self.output_dir:
+            raise ConfigError(f"output_dir must be a non-empty path string, got {self.output_dir!r}.")
+
+    # ------------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "MAGRPOConfig":
+        """Build from a dict (e.g. a checkpoint's saved config); unknown keys raise ConfigError."""
+        return cls(**values)
+
+
+RESUMABLE_FIELDS = frozenset(
+    f.name for f in dataclasses.fields(MAGRPOConfig) if f.metadata.get("may_change_on_resume")
+)
+
+
+def _check_int(cfg: MAGRPOConfig, name: str, minimum: int) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{name} must be an int >= {minimum}, got {value!r}. Change {name}.")
+
+
+def _check_float(cfg: MAGRPOConfig, name: str, ok, what: str) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ConfigError(f"{name} must be a number {what}, got {value!r}. Change {name}.")
+
+
+def _check_choice(cfg: MAGRPOConfig, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(cfg, name)
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
+
+
+def _reject_unknown_fields(init):
+    """Wrap the dataclass __init__ so a misspelt field names the closest real one."""
+    names = [f.name for f in dataclasses.fields(MAGRPOConfig)]
+
+    @functools.wraps(init)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            hints = []
+            for key in unknown:
+                guess = _ALIASES.get(key) or next(iter(difflib.get_close_matches(key, names, n=1)), None)
+                hints.append(f"{key!r}" + (f" (did you mean {guess!r}?)" if guess else ""))
+            raise ConfigError(
+                f"MAGRPOConfig has no field {', '.join(hints)}. Known fields: {', '.join(names)}."
+            )
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+MAGRPOConfig.__init__ = _reject_unknown_fields(MAGRPOConfig.__init__)  # type: ignore[method-assign]

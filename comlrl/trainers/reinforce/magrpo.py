@@ -1,0 +1,557 @@
+"""MAGRPOTrainer: the training loop only. Each phase lives in its own module.
+
+One optimizer step::
+
+    rollout    each agent samples K completions per prompt, batched   (comlrl.rollout)
+    score      the reward function scores the aligned joint actions     (comlrl.rewards)
+    advantage  return minus the group baseline                         (comlrl.advantages)
+    update     per agent: masked policy-gradient loss, backward, AdamW  (comlrl.losses)
+    log / checkpoint                                                    (comlrl.logging, comlrl.checkpoint)
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from ... import checkpoint as ckpt
+from ...advantages import group_advantages
+from ...exceptions import CheckpointDirError, ConfigError, DataError, ResumeMismatchError, TokenizerError
+from ...fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint, model_fingerprint,
+                            tokenizer_fingerprint)
+from ...logging import JsonlSink, WandbSink
+from ...losses import policy_gradient_loss, sequence_log_probs
+from ...rewards import RewardFunction
+from ...rollout import Rollout, SamplingParams, derive_seed, rollout
+from ...timing import PhaseTimer
+from ...utils import set_seed
+from .config import RESUMABLE_FIELDS, MAGRPOConfig
+
+logger = logging.getLogger("comlrl")
+
+__all__ = ["MAGRPOTrainer"]
+
+
+@dataclass
+class TrainState:
+    """Counters of a run; saved in every checkpoint (JSON)."""
+
+    epoch: int = 0                 # completed epochs
+    step_in_epoch: int = 0         # micro-batches done in the current epoch
+    global_step: int = 0           # optimizer steps taken
+    env_step: int = 0              # joint actions scored
+    checkpoint: int = 0            # number of the last checkpoint saved
+    log_window: dict[str, float] = field(default_factory=dict)  # metric sums since the last log
+    log_window_steps: int = 0
+
+
+@dataclass
+class StepBatch:
+    """The prompts of one micro-batch, as each agent sees them."""
+
+    indices: list[int]             # dataset row of each group
+    rows: list[dict[str, Any]]     # G dataset rows
+    prompts: list[list[str]]       # [num_agents][G] formatted prompts
+
+
+class MAGRPOTrainer:
+    """Multi-Agent Group Relative Policy Optimization for N cooperating causal LMs.
+
+    Args:
+        agent_model: a model path / hub name, or a model, copied into ``num_agents`` agents.
+        agents: the agent models (any ``transformers`` causal LM), instead of ``agent_model``.
+        num_agents: how many copies of ``agent_model`` (default 2).
+        tokenizer: one tokenizer for all agents, or a list with one per agent. Loaded from
+            ``agent_model`` when that is a path and no tokenizer is given.
+        reward_func: ``f(completions1, ..., completionsN) -> list[float]``, one value per joint
+            action (see :class:`comlrl.rewards.RewardFunction` for the accepted conventions).
+        train_dataset: a ``datasets.Dataset`` or a list of dicts with a ``prompt`` column (or any
+            columns, given ``formatters``).
+        args: a :class:`MAGRPOConfig` (defaults if None).
+        wandb_config: keyword arguments for ``wandb.init``; None = no W&B.
+        formatters: ``f(row) -> str``, one shared or a list with one per agent.
+        reward_processor: ``f(float) -> float`` applied to every reward.
+    """
+
+    def __init__(
+        self,
+        agent_model: Union[str, os.PathLike, torch.nn.Module, None] = None,
+        agents: Optional[Sequence[torch.nn.Module]] = None,
+        num_agents: Optional[int] = None,
+        tokenizer: Any = None,
+        reward_func: Optional[Callable[..., Sequence[float]]] = None,
+        train_dataset: Any = None,
+        args: Optional[MAGRPOConfig] = None,
+        wandb_config: Optional[Mapping[str, Any]] = None,
+        formatters: Union[Callable[[Mapping[str, Any]], str], Sequence[Callable], None] = None,
+        reward_processor: Optional[Callable[[float], float]] = None,
+    ):
+        if args is None:
+            args = MAGRPOConfig()
+        if not isinstance(args, MAGRPOConfig):
+            raise ConfigError(f"args must be a MAGRPOConfig, got {type(args).__name__}.")
+        self.args = args
+        if wandb_config is not None and not isinstance(wandb_config, Mapping):
+            raise ConfigError(f"wandb_config must be a dict of wandb.init arguments or None, got {type(wandb_config).__name__}.")
+        self.wandb_config = dict(wandb_config) if wandb_config is not None else None
+        self.agents, tokenizer = self._resolve_agents(agent_model, agents, num_agents, tokenizer)
+        self.num_agents = len(self.agents)
+        self.tokenizers = self._resolve_tokenizers(tokenizer)
+        self.eos_token_ids = [self._eos_ids(m, t) for m, t in zip(self.agents, self.tokenizers)]
+        self.formatters = self._resolve_formatters(formatters)
+        if reward_func is None:
+            raise ConfigError("reward_func is required: f(completions1, ..., completionsN) -> list of floats.")
+        self.reward = RewardFunction(reward_func, self.num_agents, reward_processor)
+        self.train_rows = self._resolve_dataset(train_dataset)
+        self.device = self._resolve_device(args.device)
+        for model in self.agents:
+            model.to(self.device)
+        set_seed(args.seed)
+        self.optimizers = [
+            torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=args.agent_learning_rate,
+                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                              weight_decay=args.weight_decay)
+            for m in self.agents
+        ]
+        warmup = args.warmup_steps
+        self.schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+            for opt in self.optimizers
+        ]
+        self.sampling = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
+        self.state = TrainState()
+        self.run_id = uuid.uuid4().hex
+        self.wandb_identity: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------------------------------
+    # construction helpers
+    # ------------------------------------------------------------------------------------------
+    def _resolve_agents(self, agent_model, agents, num_agents, tokenizer):
+        if (agent_model is None) == (agents is None):
+            raise ConfigError("Pass exactly one of agents=[model, ...] or agent_model=<path or model> (+ num_agents).")
+        if agents is not None:
+            agents = list(agents)
+            if not agents:
+                raise ConfigError("agents is empty; pass at least one model.")
+            if num_agents is not None and num_agents != len(agents):
+                raise ConfigError(f"num_agents={num_agents} but {len(agents)} agents were given; drop num_agents.")
+            for i, a in enumerate(agents):
+                if not isinstance(a, torch.nn.Module):
+                    raise ConfigError(f"agents[{i}] is a {type(a).__name__}, not a model; pass loaded models "
+                                      "or use agent_model='path' with num_agents.")
+            if len({id(a) for a in agents}) != len(agents):
+                raise ConfigError("the same model object appears twice in agents; each agent needs its own copy "
+                                  "(e.g. [AutoModelForCausalLM.from_pretrained(path) for _ in range(2)]).")
+            return agents, tokenizer
+        count = 2 if num_agents is None else num_agents
+        if not isinstance(count, int) or count < 1:
+            raise ConfigError(f"num_agents must be an int >= 1, got {num_agents!r}.")
+        if isinstance(agent_model, torch.nn.Module):
+            return [agent_model] + [copy.deepcopy(agent_model) for _ in range(count - 1)], tokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        models = [AutoModelForCausalLM.from_pretrained(agent_model) for _ in range(count)]
+        if tokenizer is None:
+            tokenizer = AutoTokenizer.from_pretrained(agent_model)
+        return models, tokenizer
+
+    def _resolve_tokenizers(self, tokenizer) -> list[Any]:
+        if tokenizer is None:
+            raise TokenizerError("tokenizer is required when agents are given as models; pass the tokenizer the "
+                                 "agents were trained with (or a list with one per agent).")
+        tokenizers = list(tokenizer) if isinstance(tokenizer, (list, tuple)) else [tokenizer] * self.num_agents
+        if len(tokenizers) != self.num_agents:
+            raise TokenizerError(f"{len(tokenizers)} tokenizers for {self.num_agents} agents; pass one shared "
+                                 "tokenizer or exactly one per agent.")
+        for i, (tok, model) in enumerate(zip(tokenizers, self.agents)):
+            if not callable(tok) or not hasattr(tok, "batch_decode"):
+                raise TokenizerError(f"tokenizer for agent {i} is a {type(tok).__name__}, not a transformers tokenizer.")
+            if tok.eos_token_id is None:
+                raise TokenizerError(f"tokenizer for agent {i} has no eos_token; completions could never end. "
+                                     "Set tokenizer.eos_token (e.g. to the model's end-of-text token).")
+            if tok.pad_token_id is None:
+                logger.warning("comlrl: tokenizer for agent %d has no pad token; using its eos token %r.", i,
+                               tok.eos_token)
+                tok.pad_token = tok.eos_token
+            rows = model.get_input_embeddings().num_embeddings
+            if len(tok) > rows:
+                raise TokenizerError(
+                    f"agent {i}'s tokenizer has {len(tok)} tokens but its model's embedding has only {rows} rows: "
+                    "they do not belong together. Pass the matching tokenizer "
+                    + ("(one per agent: tokenizer=[tok_a, tok_b, ...])." if not isinstance(tokenizer, (list, tuple))
+                       else "for this agent.")
+                )
+        if not isinstance(tokenizer, (list, tuple)):
+            sizes = {model.get_input_embeddings().num_embeddings for model in self.agents}
+            if len(sizes) > 1:
+                raise TokenizerError(
+                    f"the agents have different vocabularies (embedding sizes {sorted(sizes)}) but share one "
+                    "tokenizer; pass one tokenizer per agent: tokenizer=[tok_for_agent0, tok_for_agent1, ...]."
+                )
+        return tokenizers
+
+    @staticmethod
+    def _eos_ids(model, tok) -> list[int]:
+        ids = {tok.eos_token_id}
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            ids.update(gen_eos if isinstance(gen_eos, (list, tuple)) else [gen_eos])
+        return sorted(i for i in ids if i is not None)
+
+    def _resolve_formatters(self, formatters) -> list[Callable[[Mapping[str, Any]], str]]:
+        if formatters is None:
+            return [None] * self.num_agents  # type: ignore[list-item]
+        if callable(formatters):
+            return [formatters] * self.num_agents
+        formatters = list(formatters)
+        if len(formatters) != self.num_agents or not all(callable(f) for f in formatters):
+            raise ConfigError(f"formatters must be one callable or a list of {self.num_agents} callables "
+                              f"(one per agent), got {len(formatters)} item(s).")
+        return formatters
+
+    def _resolve_dataset(self, dataset) -> list[dict[str, Any]]:
+        if dataset is None:
+            raise DataError("train_dataset is required: a datasets.Dataset or a list of dicts with a 'prompt' column.")
+        try:
+            rows = [dict(r) for r in dataset]
+        except (TypeError, ValueError) as exc:
+            raise DataError(f"train_dataset must be a datasets.Dataset or a list of dicts; iterating it failed: {exc}")
+        if not rows:
+            raise DataError("train_dataset is empty; it needs at least one row.")
+        if any(f is None for f in self.formatters):
+            missing = [i for i, r in enumerate(rows) if "prompt" not in r]
+            if missing:
+                raise DataError(f"train_dataset row {missing[0]} has no 'prompt' column (columns: "
+                                f"{sorted(rows[missing[0]])}); add one, or pass formatters=... that build the prompt.")
+        for agent in range(self.num_agents):
+            self._format(agent, rows[0], 0)  # surface formatter errors now, not mid-run
+        return rows
+
+    def _format(self, agent: int, row: Mapping[str, Any], index: int) -> str:
+        formatter = self.formatters[agent]
+        try:
+            prompt = row["prompt"] if formatter is None else formatter(row)
+        except Exception as exc:
+            raise DataError(f"formatter of agent {agent} failed on dataset row {index}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(prompt, str):
+            raise DataError(f"the prompt of agent {agent} for dataset row {index} is a {type(prompt).__name__}, "
+                            f"not a string: {prompt!r:.80}. " +
+                            ("Fix the 'prompt' column." if formatter is None else "Make the formatter return str."))
+        return prompt
+
+    @staticmethod
+    def _resolve_device(name: Optional[str]) -> torch.device:
+        if name is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            device = torch.device(name)
+        except RuntimeError as exc:
+            raise ConfigError(f"device {name!r} is not a valid torch device: {exc}") from exc
+        if device.type == "cuda" and (not torch.cuda.is_available() or
+                                      (device.index or 0) >= torch.cuda.device_count()):
+            raise ConfigError(f"device {name!r} is not available here; use 'cpu' or leave device=None.")
+        return device
+
+    # ------------------------------------------------------------------------------------------
+    # data order
+    # ------------------------------------------------------------------------------------------
+    def _epoch_micro_batches(self, epoch: int) -> list[list[int]]:
+        """Dataset indices of each micro-batch of ``epoch`` (a pure function of seed and epoch)."""
+        n = len(self.train_rows)
+        order = np.random.default_rng([self.args.seed, epoch]).permutation(n) if self.args.shuffle else np.arange(n)
+        size = self.args.train_batch_size
+        return [order[i:i + size].tolist() for i in range(0, n, size)]
+
+    def _steps_per_epoch(self) -> int:
+        return math.ceil(len(self._epoch_micro_batches(0)) / self.args.gradient_accumulation_steps)
+
+    def _make_batch(self, indices: list[int]) -> StepBatch:
+        rows = [self.train_rows[i] for i in indices]
+        prompts = [[self._format(a, r, i) for r, i in zip(rows, indices)] for a in range(self.num_agents)]
+        return StepBatch(indices, rows, prompts)
+
+    # ------------------------------------------------------------------------------------------
+    # phases
+    # ------------------------------------------------------------------------------------------
+    def _rollout(self, batch: StepBatch, epoch: int) -> list[Rollout]:
+        k = self.args.num_generations
+        outs = []
+        for a, (model, tok) in enumerate(zip(self.agents, self.tokenizers)):
+            seeds = [[derive_seed(self.args.seed, "train", a, epoch, idx, g) for g in range(k)] for idx in batch.indices]
+            outs.append(rollout(model, tok, batch.prompts[a], seeds, self.sampling, self.eos_token_ids[a]))
+        return outs
+
+    def _score(self, batch: StepBatch, rollouts: list[Rollout]) -> torch.Tensor:
+        """``[R]`` rewards of the aligned joint actions (row r of every agent)."""
+        k = self.args.num_generations
+        prompts = [r.get("prompt", p) for r, p in zip(batch.rows, batch.prompts[0]) for _ in range(k)]
+        items = [row for row in batch.rows for _ in range(k)]
+        return self.reward([r.texts for r in rollouts], prompts, items)
+
+    def _backward(self, agent: int, ro: Rollout, advantages: torch.Tensor, weight: float) -> float:
+        model = self.agents[agent]
+        model.train()
+        logp = sequence_log_probs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, self.args.temperature)
+        loss = policy_gradient_loss(logp, advantages.to(logp.device), ro.completion_mask, self.args.loss_type,
+                                    self.args.max_new_tokens)
+        (loss * weight).backward()
+        return float(loss.detach())
+
+    def _apply_gradients(self) -> list[float]:
+        norms = []
+        for model, opt, sched in zip(self.agents, self.optimizers, self.schedulers):
+            params = [p for p in model.parameters() if p.grad is not None]
+            limit = self.args.max_grad_norm if self.args.max_grad_norm is not None else math.inf
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        return norms
+
+    def _optimizer_step(self, micro_batches: list[list[int]], epoch: int, timer: PhaseTimer) -> dict[str, float]:
+        """Rollout, score, advantage and backward for each micro-batch, then one AdamW step per agent."""
+        total_groups = sum(len(mb) for mb in micro_batches)
+        rewards, losses, lengths = [], [[] for _ in self.agents], [[] for _ in self.agents]
+        for indices in micro_batches:
+            batch = self._make_batch(indices)
+            with timer("rollout"):
+                rollouts = self._rollout(batch, epoch)
+            with timer("score"):
+                returns = self._score(batch, rollouts)
+            with timer("advantage"):
+                advantages = group_advantages(returns, rollouts[0].group_ids.cpu(), self.args.advantage_mode,
+                                              self.args.advantage_normalization)
+            with timer("update"):
+                for a, ro in enumerate(rollouts):
+                    losses[a].append(self._backward(a, ro, advantages, len(indices) / total_groups) * len(indices))
+                    lengths[a].append(ro.lengths.float().cpu())
+            rewards.append(returns)
+            self.state.env_step += len(returns)
+        with timer("update"):
+            grad_norms = self._apply_gradients()
+        self.state.global_step += 1
+        all_rewards = torch.cat(rewards)
+        metrics = {
+            "train/reward_mean": float(all_rewards.mean()),
+            "train/reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
+            "train/reward_min": float(all_rewards.min()),
+            "train/reward_max": float(all_rewards.max()),
+            "train/learning_rate": self.schedulers[0].get_last_lr()[0],
+        }
+        for a in range(self.num_agents):
+            agent_lengths = torch.cat(lengths[a])
+            metrics[f"agent_{a}/loss"] = sum(losses[a]) / total_groups
+            metrics[f"agent_{a}/completion_length"] = float(agent_lengths.mean())
+            metrics[f"agent_{a}/completion_length_max"] = float(agent_lengths.max())
+            metrics[f"agent_{a}/grad_norm"] = grad_norms[a]
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
+    # the loop
+    # ------------------------------------------------------------------------------------------
+    def train(
+        self,
+        resume_from_checkpoint: Optional[Union[str, os.PathLike]] = None,
+        checkpoint_dir: Optional[Union[str, os.PathLike]] = None,
+        checkpoint_interval: Optional[int] = None,
+        checkpoint_total_limit: Optional[int] = None,
+        save_steps: Optional[int] = None,
+    ) -> dict[str, float]:
+        """Train until ``num_train_epochs`` epochs are complete.
+
+        Args:
+            resume_from_checkpoint: a ``checkpoint-N`` directory to continue from (same run).
+            checkpoint_dir: where ``checkpoint-N`` directories and ``metrics.jsonl`` go.
+            checkpoint_interval: save after every this many epochs (default 1 with a checkpoint_dir).
+            checkpoint_total_limit: keep only the newest this many checkpoints.
+            save_steps: also save every this many optimizer steps inside an epoch.
+        Returns:
+            The last logged metrics.
+        """
+        self._check_train_args(checkpoint_dir, checkpoint_interval, checkpoint_total_limit, save_steps)
+        if checkpoint_dir is not None and checkpoint_interval is None:
+            checkpoint_interval = 1
+        resumed_from = None
+        if resume_from_checkpoint is not None:
+            resumed_from = self._resume(Path(resume_from_checkpoint))
+        self._check_checkpoint_dir(checkpoint_dir)
+        total_epochs = self.args.num_train_epochs
+        if self.state.epoch >= total_epochs:
+            logger.warning("comlrl: %s already completed %d epoch(s) and num_train_epochs=%d; nothing to train. "
+                           "Raise num_train_epochs to continue the run.", resumed_from, self.state.epoch, total_epochs)
+            return {}
+        metrics_path = Path(checkpoint_dir if checkpoint_dir is not None else self.args.output_dir) / "metrics.jsonl"
+        jsonl = JsonlSink(metrics_path, keep_until_step=self.state.env_step if resumed_from else None)
+        wandb_sink = self._open_wandb(resumed=resumed_from is not None)
+        last: dict[str, float] = {}
+        steps_per_epoch = self._steps_per_epoch()
+        progress = _progress(total=total_epochs * steps_per_epoch, initial=self.state.global_step)
+        try:
+            while self.state.epoch < total_epochs:
+                epoch = self.state.epoch
+                micro = self._epoch_micro_batches(epoch)
+                while self.state.step_in_epoch < len(micro):
+                    timer = PhaseTimer(self.device)
+                    start = self.state.step_in_epoch
+                    chunk = micro[start:start + self.args.gradient_accumulation_steps]
+                    metrics = self._optimizer_step(chunk, epoch, timer)
+                    self.state.step_in_epoch += len(chunk)
+                    epoch_done = self.state.step_in_epoch == len(micro)
+                    if epoch_done:
+                        self.state.epoch += 1
+                        self.state.step_in_epoch = 0
+                    metrics.update(timer.metrics())
+                    logged = self._accumulate_and_log(metrics, epoch + (start + len(chunk)) / len(micro), jsonl, wandb_sink)
+                    last = logged or last
+                    progress.update(1)
+                    progress.set_postfix(epoch=epoch + 1, reward=f"{metrics['train/reward_mean']:.3f}")
+                    if checkpoint_dir is not None:
+                        due_epoch = epoch_done and self.state.epoch % checkpoint_interval == 0
+                        due_step = save_steps is not None and self.state.global_step % save_steps == 0
+                        if due_epoch or due_step:
+                            self._save(checkpoint_dir, checkpoint_total_limit)
+                    if epoch_done:
+                        break
+        finally:
+            progress.close()
+            jsonl.close()
+            if wandb_sink is not None:
+                wandb_sink.close()
+        return last
+
+    def _accumulate_and_log(self, metrics: dict[str, float], epoch: float, jsonl: JsonlSink,
+                            wandb_sink: Optional[WandbSink]) -> Optional[dict[str, float]]:
+        window = self.state.log_window
+        for key, value in metrics.items():
+            window[key] = window.get(key, 0.0) + value
+        self.state.log_window_steps += 1
+        if self.state.global_step % self.args.logging_steps:
+            return None
+        n = self.state.log_window_steps
+        row = {key: value / n for key, value in sorted(window.items())}
+        for key in ("train/reward_min", "train/reward_max"):  # extremes stay extremes (last step's)
+            row[key] = metrics[key]
+        row.update(env_step=self.state.env_step, global_step=self.state.global_step, epoch=round(epoch, 6))
+        self.state.log_window, self.state.log_window_steps = {}, 0
+        jsonl.log(row)
+        if wandb_sink is not None:
+            wandb_sink.log({k: v for k, v in row.items() if k != "env_step"}, step=self.state.env_step)
+        return row
+
+    # ------------------------------------------------------------------------------------------
+    # W&B
+    # ------------------------------------------------------------------------------------------
+    def _open_wandb(self, resumed: bool) -> Optional[WandbSink]:
+        if self.wandb_config is None:
+            return None
+        config = dict(self.wandb_config)
+        if resumed and self.wandb_identity and "id" not in config:
+            # The user did not pass the identity: continue the checkpoint's W&B run all the same.
+            config.update(self.wandb_identity)
+            config.setdefault("resume", "allow")
+        run_config = {**self.args.to_dict(), "num_agents": self.num_agents}
+        sink = WandbSink(config, run_config, min_step=self.state.env_step + 1 if resumed else 0)
+        self.wandb_identity = sink.identity()
+        return sink
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoints
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _check_train_args(checkpoint_dir, interval, limit, save_steps) -> None:
+        for name, value in (("checkpoint_interval", interval), ("checkpoint_total_limit", limit),
+                            ("save_steps", save_steps)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ConfigError(f"{name} must be an int >= 1 or None, got {value!r}.")
+        if checkpoint_dir is None and any(v is not None for v in (interval, limit, save_steps)):
+            raise ConfigError("checkpoint_interval / checkpoint_total_limit / save_steps need a checkpoint_dir.")
+
+    def _check_checkpoint_dir(self, checkpoint_dir) -> None:
+        if checkpoint_dir is None:
+            return
+        directory = Path(checkpoint_dir)
+        for existing in ckpt.list_checkpoints(directory):
+            try:
+                other = ckpt.read_state(existing).get("run_id")
+            except Exception:
+                other = None
+            if other != self.run_id:
+                raise CheckpointDirError(
+                    f"{directory} already holds checkpoints of another run ({existing.name}); nothing was "
+                    "overwritten. Resume it with resume_from_checkpoint=..., or choose an empty checkpoint_dir."
+                )
+        if directory.is_dir():  # leftovers of a save or prune that was interrupted: never valid checkpoints
+            for stale in list(directory.glob(".tmp-checkpoint-*")) + list(directory.glob(".old-checkpoint-*")):
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _fingerprints(self) -> dict[str, Any]:
+        return {
+            "config": {k: v for k, v in self.args.to_dict().items() if k not in RESUMABLE_FIELDS},
+            "num_agents": self.num_agents,
+            "models": [model_fingerprint(m) for m in self.agents],
+            "tokenizers": [tokenizer_fingerprint(t) for t in self.tokenizers],
+            "dataset": dataset_fingerprint(self.train_rows),
+            "reward_func": callable_fingerprint(self.reward.func),
+            "reward_processor": callable_fingerprint(self.reward.processor),
+            "formatters": [callable_fingerprint(f) for f in self.formatters],
+        }
+
+    def _save(self, checkpoint_dir, limit: Optional[int]) -> Path:
+        timer = PhaseTimer(self.device)
+        with timer("checkpoint"):
+            number = self.state.checkpoint + 1
+            self.state.checkpoint = number
+            record = {
+                "run_id": self.run_id,
+                **{k: v for k, v in asdict(self.state).items()},
+                "num_train_epochs": self.args.num_train_epochs,
+                "done_indices": self._epoch_micro_batches(self.state.epoch)[: self.state.step_in_epoch],
+                "wandb": self.wandb_identity,
+                "config": self.args.to_dict(),
+                "fingerprints": self._fingerprints(),
+                "comlrl_version": _version(),
+            }
+            path = ckpt.save_checkpoint(checkpoint_dir, number, self.agents, self.optimizers, self.schedulers, record)
+            if limit is not None:
+                ckpt.prune_checkpoints(checkpoint_dir, limit)
+        # The save's cost shows up in the next logged row.
+        self.state.log_window["timing/checkpoint"] = self.state.log_window.get("timing/checkpoint", 0.0) \
+            + timer.seconds["checkpoint"]
+        logger.info("comlrl: saved %s (env_step %d)", path, self.state.env_step)
+        return path
+
+    def _resume(self, path: Path) -> Path:
+        saved = ckpt.read_state(path)
+        differences = compare_fingerprints(saved.get("fingerprints", {}), self._fingerprints())
+        if differences:
+            raise ResumeMismatchError(str(path), differences)
+        loaded = ckpt.load_checkpoint(path, self.agents, self.optimizers, self.schedulers)
+        self.run_id = loaded["run_id"]
+        fields = {f for f in TrainState.__dataclass_fields__}
+        self.state = TrainState(**{k: loaded[k] for k in fields})
+        self.wandb_identity = loaded.get("wandb")
+        logger.info("comlrl: resumed %s at epoch %d, env_step %d", path, self.state.epoch, self.state.env_step)
+        return path
+
+
+def _version() -> str:
+    from ... import __version__
+
+    return __version__
+
+
+def _progress(total: int, initial: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc="MAGRPO", unit="step", dynamic_ncols=True,
+                disable=os.environ.get("COMLRL_DISABLE_PROGRESS") == "1")
