@@ -1,0 +1,52 @@
+"""Shared fixtures: a tiny offline model, the seed's reward and prompts, a trainer factory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+from helpers import SEED_PROMPTS, length_ratio_reward  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from comlrl.testing import tiny_model_dir
+
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture
+def make_trainer(model_path, tokenizer, tmp_path):
+    """make_trainer(**config_overrides, trainer_kwargs...) -> MAGRPOTrainer on the seed task."""
+    from transformers import AutoModelForCausalLM
+
+    from comlrl import MAGRPOConfig, MAGRPOTrainer
+
+    def factory(num_agents=2, reward_func=length_ratio_reward, dataset=None, trainer_kwargs=None, **overrides):
+        settings = dict(num_train_epochs=2, num_generations=4, max_new_tokens=12, logging_steps=1,
+                        agent_learning_rate=1e-3, output_dir=str(tmp_path / "out"))
+        settings.update(overrides)
+        return MAGRPOTrainer(
+            agents=[AutoModelForCausalLM.from_pretrained(model_path) for _ in range(num_agents)],
+            tokenizer=tokenizer,
+            reward_func=reward_func,
+            train_dataset=dataset if dataset is not None else [{"prompt": p} for p in SEED_PROMPTS],
+            args=MAGRPOConfig(**settings),
+            **(trainer_kwargs or {}),
+        )
+
+    return factory

@@ -1,0 +1,247 @@
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from comlrl import ConfigError, DataError, MAGRPOConfig, MAGRPOTrainer, RewardError, TokenizerError
+from comlrl.testing import build_tiny_tokenizer, tiny_model_dir
+
+from helpers import SEED_PROMPTS, length_ratio_reward
+
+
+def params(trainer):
+    return [{n: p.detach().clone() for n, p in m.named_parameters()} for m in trainer.agents]
+
+
+def metrics_rows(trainer):
+    path = f"{trainer.args.output_dir}/metrics.jsonl"
+    return [json.loads(line) for line in open(path)]
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
+
+
+def test_seed_run_trains_and_logs_at_env_step(make_trainer):
+    trainer = make_trainer()
+    before = params(trainer)
+    trainer.train()
+    rows = metrics_rows(trainer)
+    # 4 prompts, batch 1, 2 epochs -> 8 optimizer steps; each scores K=4 joint actions.
+    assert [r["env_step"] for r in rows] == [4 * i for i in range(1, 9)]
+    assert trainer.state.env_step == 32 and trainer.state.global_step == 8
+    keys = set(rows[0])
+    for k in ("train/reward_mean", "agent_0/loss", "agent_1/loss", "agent_0/completion_length",
+              "train/learning_rate", "timing/rollout", "timing/score", "timing/update", "epoch"):
+        assert k in keys
+    after = params(trainer)
+    for agent_before, agent_after in zip(before, after):
+        assert any(not torch.equal(agent_before[n], agent_after[n]) for n in agent_before)
+
+
+def test_same_seed_same_run_and_other_seed_differs(make_trainer, tmp_path):
+    runs = []
+    for seed, sub in ((7, "a"), (7, "b"), (8, "c")):
+        t = make_trainer(seed=seed, num_train_epochs=1, output_dir=str(tmp_path / sub))
+        t.train()
+        runs.append((params(t), without_timing(metrics_rows(t))))
+    (p1, m1), (p2, m2), (p3, m3) = runs
+    assert m1 == m2
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(p1, p2) for n in a)
+    assert m1 != m3
+
+
+def test_logging_steps_averages_the_window(make_trainer, tmp_path):
+    every = make_trainer(num_train_epochs=1, output_dir=str(tmp_path / "every"))
+    every.train()
+    pairs = make_trainer(num_train_epochs=1, logging_steps=2, output_dir=str(tmp_path / "pairs"))
+    pairs.train()
+    r1, r2 = metrics_rows(every), metrics_rows(pairs)
+    assert [r["env_step"] for r in r2] == [8, 16]
+    for i, row in enumerate(r2):
+        expected = (r1[2 * i]["train/reward_mean"] + r1[2 * i + 1]["train/reward_mean"]) / 2
+        assert row["train/reward_mean"] == pytest.approx(expected, abs=1e-12)
+
+
+def _gradients_of_first_step(trainer):
+    """Run one optimizer step and return each agent's gradient just before AdamW applies it."""
+    captured = []
+    apply = trainer._apply_gradients
+
+    def spy():
+        captured.extend({n: p.grad.clone() for n, p in m.named_parameters()} for m in trainer.agents)
+        return apply()
+
+    trainer._apply_gradients = spy
+    trainer.train()
+    return captured
+
+
+def test_batch1_accum4_equals_batch4(make_trainer, tmp_path):
+    # Compared on gradients: Adam's first step is ~lr * sign(g), which amplifies rounding noise.
+    a = make_trainer(num_train_epochs=1, train_batch_size=1, gradient_accumulation_steps=4,
+                     output_dir=str(tmp_path / "a"))
+    b = make_trainer(num_train_epochs=1, train_batch_size=4, output_dir=str(tmp_path / "b"))
+    ga, gb = _gradients_of_first_step(a), _gradients_of_first_step(b)
+    assert a.state.global_step == b.state.global_step == 1
+    ra, rb = metrics_rows(a)[0], metrics_rows(b)[0]
+    assert ra["train/reward_mean"] == pytest.approx(rb["train/reward_mean"], abs=1e-12)
+    assert ra["agent_0/loss"] == pytest.approx(rb["agent_0/loss"], abs=1e-6)
+    for agent_a, agent_b in zip(ga, gb):
+        for n in agent_a:
+            torch.testing.assert_close(agent_a[n], agent_b[n], atol=1e-6, rtol=1e-4)
+
+
+def test_one_agent_is_grpo(make_trainer):
+    """One MAGRPO step with one agent == a hand-written GRPO step on the same samples."""
+    trainer = make_trainer(num_agents=1, reward_func=lambda c: [len(x) % 7 / 7 for x in c], num_train_epochs=1,
+                           train_batch_size=2, advantage_normalization=True, max_grad_norm=None)
+    reference = AutoModelForCausalLM.from_pretrained(trainer.agents[0].config._name_or_path)
+    reference.load_state_dict(trainer.agents[0].state_dict())
+    captured = {}
+    rollout, apply = trainer._rollout, trainer._apply_gradients
+
+    def spy_rollout(batch, epoch):
+        captured.setdefault("rollouts", rollout(batch, epoch))
+        return captured["rollouts"]
+
+    def spy_apply():
+        captured["grads"] = {n: p.grad.clone() for n, p in trainer.agents[0].named_parameters()}
+        return apply()
+
+    trainer._rollout, trainer._apply_gradients = spy_rollout, spy_apply
+    from comlrl.timing import PhaseTimer
+
+    trainer._optimizer_step(trainer._epoch_micro_batches(0)[:1], 0, PhaseTimer())
+    ro = captured["rollouts"][0]
+    assert len(ro.texts) == 2 * trainer.args.num_generations
+
+    # GRPO by hand, one completion at a time, no padding anywhere.
+    rewards = torch.tensor([len(t) % 7 / 7 for t in ro.texts], dtype=torch.float64)
+    grouped = rewards.view(-1, trainer.args.num_generations)
+    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+    losses = []
+    for r in range(len(ro.texts)):
+        prompt = ro.prompt_ids[r][ro.prompt_mask[r].bool()]
+        n = int(ro.completion_mask[r].sum())
+        completion = ro.completion_ids[r, :n]
+        ids = torch.cat([prompt, completion]).unsqueeze(0)
+        logits = reference(input_ids=ids).logits[0, len(prompt) - 1:-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(1, completion.unsqueeze(1)).squeeze(1)
+        losses.append(-adv[r].float() * logp.mean())
+    torch.stack(losses).mean().backward()
+    assert any(p.grad.abs().max() > 0 for p in reference.parameters())
+    for n, p in reference.named_parameters():
+        torch.testing.assert_close(captured["grads"][n], p.grad, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_other_architectures_train(kind, tmp_path):
+    path = tiny_model_dir(kind)
+    tok = AutoTokenizer.from_pretrained(path)
+    trainer = MAGRPOTrainer(agent_model=str(path), num_agents=2, tokenizer=tok, reward_func=length_ratio_reward,
+                            train_dataset=[{"prompt": p} for p in SEED_PROMPTS[:2]],
+                            args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=8, agent_learning_rate=1e-3,
+                                              output_dir=str(tmp_path)))
+    before = params(trainer)
+    trainer.train()
+    assert trainer.state.env_step == 8
+    assert any(not torch.equal(before[0][n], p) for n, p in trainer.agents[0].named_parameters())
+
+
+def test_agent_model_path_loads_num_agents_and_tokenizer(model_path, tmp_path):
+    trainer = MAGRPOTrainer(agent_model=str(model_path), num_agents=3,
+                            reward_func=lambda a, b, c: [0.0] * len(a),
+                            train_dataset=[{"prompt": "hi"}], args=MAGRPOConfig(output_dir=str(tmp_path)))
+    assert trainer.num_agents == 3 and len({id(a) for a in trainer.agents}) == 3
+
+
+def test_heterogeneous_agents_with_one_tokenizer_each(tokenizer, tmp_path):
+    q = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"))
+    g = AutoModelForCausalLM.from_pretrained(tiny_model_dir("gpt2"))
+    trainer = MAGRPOTrainer(agents=[q, g], tokenizer=[tokenizer, AutoTokenizer.from_pretrained(tiny_model_dir("gpt2"))],
+                            reward_func=length_ratio_reward, train_dataset=[{"prompt": "hi"}],
+                            args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=6, output_dir=str(tmp_path)))
+    trainer.train()
+    assert trainer.state.env_step == 4
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+def test_empty_dataset_and_missing_prompt_column(make_trainer):
+    with pytest.raises(DataError, match="empty"):
+        make_trainer(dataset=[])
+    with pytest.raises(DataError, match="no 'prompt' column"):
+        make_trainer(dataset=[{"question": "why?"}])
+    with pytest.raises(DataError, match="not a string"):
+        make_trainer(dataset=[{"prompt": 42}])
+    # a formatter makes a prompt out of any column
+    trainer = make_trainer(dataset=[{"question": "why?"}], trainer_kwargs={"formatters": lambda row: row["question"]})
+    assert trainer._make_batch([0]).prompts == [["why?"], ["why?"]]
+
+
+def test_formatter_errors_are_named(make_trainer):
+    with pytest.raises(DataError, match="formatter of agent 0 failed on dataset row 0: KeyError"):
+        make_trainer(trainer_kwargs={"formatters": lambda row: row["missing"]})
+    with pytest.raises(DataError, match="Make the formatter return str"):
+        make_trainer(trainer_kwargs={"formatters": lambda row: ["not", "a", "string"]})
+    with pytest.raises(ConfigError, match="one callable or a list of 2"):
+        make_trainer(trainer_kwargs={"formatters": [lambda r: r["prompt"]]})
+
+
+def test_tokenizer_without_pad_token_uses_eos(model_path, tmp_path):
+    tok = build_tiny_tokenizer(pad_token=None)
+    assert tok.pad_token_id is None
+    trainer = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path) for _ in range(2)],
+                            tokenizer=tok, reward_func=length_ratio_reward, train_dataset=[{"prompt": "hi"}],
+                            args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=6, output_dir=str(tmp_path)))
+    assert tok.pad_token_id == tok.eos_token_id
+    trainer.train()
+
+
+def test_incompatible_tokenizers_are_refused(model_path, tokenizer, tmp_path):
+    small = AutoModelForCausalLM.from_pretrained(tiny_model_dir(vocab_size=300))
+    big = AutoModelForCausalLM.from_pretrained(model_path)
+    with pytest.raises(TokenizerError, match="512 tokens but its model's embedding has only 300 rows"):
+        MAGRPOTrainer(agents=[big, small], tokenizer=tokenizer, reward_func=length_ratio_reward,
+                      train_dataset=[{"prompt": "hi"}], args=MAGRPOConfig(output_dir=str(tmp_path)))
+    with pytest.raises(TokenizerError, match="2 agents"):
+        MAGRPOTrainer(agents=[big, small], tokenizer=[tokenizer] * 3, reward_func=length_ratio_reward,
+                      train_dataset=[{"prompt": "hi"}], args=MAGRPOConfig(output_dir=str(tmp_path)))
+    with pytest.raises(TokenizerError, match="tokenizer is required"):
+        MAGRPOTrainer(agents=[big, small], reward_func=length_ratio_reward, train_dataset=[{"prompt": "hi"}])
+
+
+def test_bad_agents_arguments(model_path):
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    with pytest.raises(ConfigError, match="exactly one of"):
+        MAGRPOTrainer(reward_func=length_ratio_reward, train_dataset=[{"prompt": "x"}])
+    with pytest.raises(ConfigError, match="same model object"):
+        MAGRPOTrainer(agents=[model, model], tokenizer=None, reward_func=length_ratio_reward,
+                      train_dataset=[{"prompt": "x"}])
+    with pytest.raises(ConfigError, match="args must be a MAGRPOConfig"):
+        MAGRPOTrainer(agents=[model], tokenizer=None, reward_func=length_ratio_reward,
+                      train_dataset=[{"prompt": "x"}], args={"num_generations": 4})
+
+
+@pytest.mark.parametrize("bad_reward, words", [
+    (lambda a, b: [1.0] * (len(a) - 1), "returned 3 values for 4 joint actions"),
+    (lambda a, b: [math.nan] * len(a), "finite"),
+    (lambda a, b: ["good"] * len(a), "non-number"),
+    (lambda a, b: 1 / 0, "ZeroDivisionError"),
+])
+def test_bad_rewards_stop_training_before_any_update(make_trainer, bad_reward, words):
+    trainer = make_trainer(reward_func=bad_reward)
+    before = params(trainer)
+    with pytest.raises(RewardError, match=words):
+        trainer.train()
+    assert all(torch.equal(before[i][n], p) for i, m in enumerate(trainer.agents) for n, p in m.named_parameters())
+    assert all(not opt.state for opt in trainer.optimizers)
+    assert trainer.state.global_step == 0
+
+
+def test_device_must_exist(make_trainer):
+    with pytest.raises(ConfigError, match="not available"):
+        make_trainer(device="cuda:7")
