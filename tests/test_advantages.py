@@ -123,6 +123,21 @@ def test_group_advantages_independent_of_row_order(mode, normalize):
     torch.testing.assert_close(permuted, base[perm], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_group_advantages_sparse_group_ids(mode, normalize):
+    """Group ids with gaps (e.g. a data-parallel shard holding groups 3, 10, 42, ...) behave like
+    the same groups numbered densely: unused ids must not leak NaN into the result."""
+    returns, group_ids, _, _ = _make_data(13)
+    sparse = {0: 3, 1: 10, 2: 42, 3: 0, 4: 7, 5: 8, 6: 20}
+    sparse_ids = [sparse[g] for g in group_ids]
+    r, _ = _tensors(returns, group_ids)
+    got = group_advantages(r, torch.tensor(sparse_ids), mode=mode, normalize=normalize)
+    assert torch.isfinite(got).all()
+    want = torch.tensor(ref_advantages(r.double().tolist(), sparse_ids, mode, normalize, 1e-4), dtype=torch.float64)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_group_advantages_relabelled_groups():
     """Renaming group ids (a bijection of [0, G)) does not change any advantage."""
     returns, group_ids, _, _ = _make_data(11)

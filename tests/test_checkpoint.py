@@ -1,0 +1,257 @@
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from comlrl import CheckpointDirError, CheckpointError, MAGRPOConfig, MAGRPOTrainer, ResumeMismatchError
+from comlrl.testing import build_tiny_tokenizer, tiny_model_dir
+from comlrl.utils import find_latest_checkpoint, read_checkpoint_metadata
+
+from helpers import SEED_PROMPTS, length_ratio_reward
+
+
+def state_of(trainer):
+    """Every parameter and optimizer tensor of every agent, by name."""
+    out = {}
+    for i, (m, opt) in enumerate(zip(trainer.agents, trainer.optimizers)):
+        for n, p in m.named_parameters():
+            out[f"{i}.param.{n}"] = p.detach().clone()
+        for idx, st in opt.state_dict()["state"].items():
+            for k, v in st.items():
+                out[f"{i}.opt.{idx}.{k}"] = v.clone() if torch.is_tensor(v) else v
+    return out
+
+
+def assert_bit_exact(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+
+
+def rows(directory):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("timing/")}
+            for line in Path(directory, "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def uninterrupted(make_trainer, tmp_path):
+    trainer = make_trainer(num_train_epochs=4)
+    trainer.train(checkpoint_dir=tmp_path / "full")
+    return trainer, tmp_path / "full"
+
+
+def test_checkpoints_per_epoch_and_metadata(uninterrupted):
+    trainer, directory = uninterrupted
+    assert sorted(p.name for p in directory.glob("checkpoint-*")) == [f"checkpoint-{i}" for i in range(1, 5)]
+    meta = read_checkpoint_metadata(directory / "checkpoint-2")
+    assert meta["checkpoint"] == 2 and meta["epoch"] == 2 and meta["env_step"] == 32 and meta["global_step"] == 8
+    assert meta["wandb"] is None and meta["step_in_epoch"] == 0
+    assert find_latest_checkpoint(directory) == directory / "checkpoint-4"
+    state = json.loads((directory / "checkpoint-2" / "trainer_state.json").read_text())
+    assert set(state["fingerprints"]) >= {"config", "models", "tokenizers", "dataset", "reward_func"}
+    assert set(state["rng"]) >= {"python", "numpy"}
+    files = {p.relative_to(directory / "checkpoint-2").as_posix() for p in (directory / "checkpoint-2").rglob("*")
+             if p.is_file()}
+    assert files == {"trainer_state.json", "rng.safetensors", "agent-0/model.safetensors",
+                     "agent-0/optimizer.safetensors", "agent-1/model.safetensors", "agent-1/optimizer.safetensors"}
+
+
+def test_resume_equals_uninterrupted_bit_exact(uninterrupted, make_trainer, tmp_path):
+    full, full_dir = uninterrupted
+    part = make_trainer(num_train_epochs=2)
+    part.train(checkpoint_dir=tmp_path / "part")
+    resumed = make_trainer(num_train_epochs=4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-2"), checkpoint_dir=tmp_path / "part")
+    assert_bit_exact(state_of(full), state_of(resumed))
+    assert rows(full_dir) == rows(tmp_path / "part")
+    assert sorted(p.name for p in (tmp_path / "part").glob("checkpoint-*")) == [f"checkpoint-{i}" for i in range(1, 5)]
+
+
+def test_resume_twice_in_a_row(uninterrupted, make_trainer, tmp_path):
+    full, full_dir = uninterrupted
+    d = tmp_path / "steps"
+    make_trainer(num_train_epochs=1).train(checkpoint_dir=d)
+    make_trainer(num_train_epochs=3).train(resume_from_checkpoint=d / "checkpoint-1", checkpoint_dir=d)
+    last = make_trainer(num_train_epochs=4)
+    last.train(resume_from_checkpoint=d / "checkpoint-3", checkpoint_dir=d)
+    assert_bit_exact(state_of(full), state_of(last))
+    assert rows(full_dir) == rows(d)
+
+
+def test_mid_epoch_resume_replaces_the_rows_written_after_the_checkpoint(uninterrupted, make_trainer, tmp_path):
+    full, full_dir = uninterrupted
+    d = tmp_path / "mid"
+    # An "interrupted" run: checkpoints every optimizer step; pretend it died after step 8.
+    make_trainer(num_train_epochs=4).train(checkpoint_dir=d, save_steps=1)
+    assert len(rows(d)) == 16
+    meta = read_checkpoint_metadata(d / "checkpoint-6")
+    assert (meta["epoch"], meta["step_in_epoch"], meta["global_step"]) == (1, 2, 6)
+    resumed = make_trainer(num_train_epochs=4)
+    resumed.train(resume_from_checkpoint=d / "checkpoint-6", checkpoint_dir=d, save_steps=1)
+    assert_bit_exact(state_of(full), state_of(resumed))
+    assert rows(full_dir) == rows(d)  # rows 7..16 were redone, not duplicated
+
+
+def test_allowed_changes_on_resume(make_trainer, tmp_path):
+    d = tmp_path / "allowed"
+    make_trainer(num_train_epochs=1).train(checkpoint_dir=d)
+    resumed = make_trainer(num_train_epochs=2, logging_steps=2, output_dir=str(tmp_path / "elsewhere"), device="cpu")
+    resumed.train(resume_from_checkpoint=d / "checkpoint-1", checkpoint_dir=d, checkpoint_interval=1,
+                  checkpoint_total_limit=5)
+    assert resumed.state.epoch == 2
+
+
+def test_resuming_a_finished_run_does_nothing(make_trainer, tmp_path, caplog):
+    d = tmp_path / "done"
+    make_trainer(num_train_epochs=2).train(checkpoint_dir=d)
+    again = make_trainer(num_train_epochs=2)
+    before = state_of(again)
+    assert again.train(resume_from_checkpoint=d / "checkpoint-2", checkpoint_dir=d) == {}
+    assert "nothing to train" in caplog.text
+    assert again.state.global_step == 8  # loaded, not trained
+    assert not all(torch.equal(before[k], v) for k, v in state_of(again).items() if torch.is_tensor(v) and k in before)
+
+
+def _other_model():
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir(hidden_size=32))
+
+
+@pytest.mark.parametrize("change, named", [
+    (dict(agent_learning_rate=5e-4), "config.agent_learning_rate"),
+    (dict(temperature=0.7), "config.temperature"),
+    (dict(num_generations=2), "config.num_generations"),
+    (dict(seed=1), "config.seed"),
+    (dict(dataset=[{"prompt": p} for p in reversed(SEED_PROMPTS)]), "dataset"),
+    (dict(reward_func=lambda a, b: [1.0] * len(a)), "reward_func"),
+    (dict(num_agents=1, reward_func=lambda a: [1.0] * len(a)), "num_agents"),
+])
+def test_forbidden_changes_are_refused_by_name(make_trainer, tmp_path, change, named):
+    d = tmp_path / "forbidden"
+    make_trainer(num_train_epochs=1).train(checkpoint_dir=d)
+    other = make_trainer(num_train_epochs=2, **change)
+    before = state_of(other)
+    with pytest.raises(ResumeMismatchError, match=named.replace(".", r"\.")) as info:
+        other.train(resume_from_checkpoint=d / "checkpoint-1", checkpoint_dir=d)
+    assert "checkpoint-1" in str(info.value)
+    assert_bit_exact(before, state_of(other))  # nothing was loaded into the refusing trainer
+
+
+def test_changed_model_and_tokenizer_are_refused(make_trainer, model_path, tokenizer, tmp_path):
+    d = tmp_path / "models"
+    make_trainer(num_train_epochs=1).train(checkpoint_dir=d)
+    args = MAGRPOConfig(num_train_epochs=2, max_new_tokens=12, logging_steps=1, agent_learning_rate=1e-3,
+                        output_dir=str(tmp_path / "out"))
+    dataset = [{"prompt": p} for p in SEED_PROMPTS]
+    other_model = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path), _other_model()],
+                                tokenizer=[tokenizer, tokenizer], reward_func=length_ratio_reward,
+                                train_dataset=dataset, args=args)
+    with pytest.raises(ResumeMismatchError, match=r"models\[1\]"):
+        other_model.train(resume_from_checkpoint=d / "checkpoint-1", checkpoint_dir=d)
+    other_tok = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path) for _ in range(2)],
+                              tokenizer=build_tiny_tokenizer(vocab_size=400), reward_func=length_ratio_reward,
+                              train_dataset=dataset, args=args)
+    with pytest.raises(ResumeMismatchError, match=r"tokenizers\[0\]"):
+        other_tok.train(resume_from_checkpoint=d / "checkpoint-1", checkpoint_dir=d)
+
+
+@pytest.fixture
+def saved(make_trainer, tmp_path):
+    d = tmp_path / "saved"
+    make_trainer(num_train_epochs=1).train(checkpoint_dir=d)
+    return d / "checkpoint-1"
+
+
+def _resume(make_trainer, path):
+    make_trainer(num_train_epochs=2).train(resume_from_checkpoint=path)
+
+
+def test_missing_checkpoint_is_named(make_trainer, tmp_path):
+    with pytest.raises(CheckpointError, match="nope.*does not exist"):
+        _resume(make_trainer, tmp_path / "nope")
+
+
+def test_truncated_weights_are_refused(make_trainer, saved):
+    f = saved / "agent-1" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="agent-1/model.safetensors has 1000 bytes"):
+        _resume(make_trainer, saved)
+    assert find_latest_checkpoint(saved.parent) is None
+
+
+def test_missing_state_or_file_is_refused(make_trainer, saved):
+    (saved / "agent-0" / "optimizer.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="agent-0/optimizer.safetensors is missing"):
+        _resume(make_trainer, saved)
+    (saved / "trainer_state.json").write_text('{"format_version": 1, "files": ')
+    with pytest.raises(CheckpointError, match="corrupted"):
+        _resume(make_trainer, saved)
+    (saved / "trainer_state.json").unlink()
+    with pytest.raises(CheckpointError, match="trainer_state.json is missing"):
+        _resume(make_trainer, saved)
+
+
+class _Exploit:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_tampered_checkpoint_never_runs_code(make_trainer, saved, tmp_path):
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(_Exploit(str(marker)))
+    weights = saved / "agent-0" / "model.safetensors"
+    weights.write_bytes(payload)
+    with pytest.raises(CheckpointError, match="sha256|bytes"):
+        _resume(make_trainer, saved)
+    # Even with the manifest forged to match, the pickle is parsed as safetensors, never unpickled.
+    state = json.loads((saved / "trainer_state.json").read_text())
+    import hashlib
+
+    state["files"]["agent-0/model.safetensors"] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    (saved / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="could not be loaded"):
+        _resume(make_trainer, saved)
+    state["files"]["../../escape"] = {"bytes": 1, "sha256": "0"}
+    (saved / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        _resume(make_trainer, saved)
+    assert not marker.exists()
+
+
+def test_retention_keeps_the_newest(make_trainer, tmp_path):
+    d = tmp_path / "limited"
+    make_trainer(num_train_epochs=4).train(checkpoint_dir=d, checkpoint_total_limit=2)
+    assert sorted(p.name for p in d.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    assert not list(d.glob(".*checkpoint*"))
+
+
+def test_fresh_run_refuses_a_directory_with_another_runs_checkpoints(make_trainer, tmp_path):
+    d = tmp_path / "taken"
+    make_trainer(num_train_epochs=1).train(checkpoint_dir=d)
+    snapshot = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    with pytest.raises(CheckpointDirError, match="another run"):
+        make_trainer(num_train_epochs=2).train(checkpoint_dir=d)
+    assert snapshot == {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+def test_leftover_temporary_directories_are_never_checkpoints(make_trainer, tmp_path):
+    d = tmp_path / "crashy"
+    (d / ".tmp-checkpoint-1-deadbeef" / "agent-0").mkdir(parents=True)
+    assert find_latest_checkpoint(d) is None
+    make_trainer(num_train_epochs=1).train(checkpoint_dir=d)
+    assert [p.name for p in d.iterdir() if "checkpoint" in p.name] == ["checkpoint-1"]
+
+
+def test_bad_train_arguments(make_trainer, tmp_path):
+    from comlrl import ConfigError
+
+    with pytest.raises(ConfigError, match="checkpoint_interval"):
+        make_trainer().train(checkpoint_dir=tmp_path, checkpoint_interval=0)
+    with pytest.raises(ConfigError, match="need a checkpoint_dir"):
+        make_trainer().train(save_steps=3)
