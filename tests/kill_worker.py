@@ -1,0 +1,55 @@
+"""Subprocess for test_kill.py: train (resuming from the newest checkpoint if any), then write the
+final weights. Killed with SIGKILL at random moments by the test."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
+
+from safetensors.torch import save_file  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from comlrl import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
+from comlrl.testing import tiny_model_dir  # noqa: E402
+from comlrl.utils import find_latest_checkpoint  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import SEED_PROMPTS, length_ratio_reward  # noqa: E402
+
+run_dir = Path(sys.argv[1])
+slow = float(os.environ.get("KILL_WORKER_SLOW_SAVE", "0"))
+if slow:
+    # Stretch every file write of a checkpoint save so that random kills often land inside one.
+    import time
+
+    import comlrl.checkpoint as ckpt
+
+    def stretched(write):
+        def wrapper(*args, **kwargs):
+            time.sleep(slow)
+            result = write(*args, **kwargs)
+            time.sleep(slow)
+            return result
+        return wrapper
+
+    ckpt.save_file = stretched(ckpt.save_file)
+    ckpt.save_model = stretched(ckpt.save_model)
+path = tiny_model_dir()
+trainer = MAGRPOTrainer(
+    agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],
+    tokenizer=AutoTokenizer.from_pretrained(path),
+    reward_func=length_ratio_reward,
+    train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
+    args=MAGRPOConfig(num_train_epochs=3, num_generations=4, max_new_tokens=10, logging_steps=1,
+                      agent_learning_rate=1e-3, output_dir=str(run_dir / "out")),
+)
+latest = find_latest_checkpoint(run_dir / "ckpt")
+trainer.train(resume_from_checkpoint=latest, checkpoint_dir=run_dir / "ckpt", save_steps=1,
+              checkpoint_total_limit=3)
+tensors = {f"{i}.{n}": p.detach().contiguous() for i, m in enumerate(trainer.agents) for n, p in m.named_parameters()}
+for i, opt in enumerate(trainer.optimizers):
+    for idx, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            tensors[f"{i}.opt.{idx}.{k}"] = v.detach().reshape(-1).contiguous()
+save_file(tensors, str(run_dir / "final.safetensors"))

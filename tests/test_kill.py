@@ -1,0 +1,78 @@
+"""kill -9 at random moments (some during a checkpoint save), then resume == uninterrupted."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+WORKER = Path(__file__).with_name("kill_worker.py")
+TRIALS = int(os.environ.get("COMLRL_KILL_TRIALS", "6"))
+
+
+def run_worker(run_dir, kill_after=None, slow_save=0.0):
+    """Run the worker; with kill_after, SIGKILL it that many seconds after training starts."""
+    env = {**os.environ, "KILL_WORKER_SLOW_SAVE": str(slow_save)}
+    proc = subprocess.Popen([sys.executable, str(WORKER), str(run_dir)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, env=env)
+    if kill_after is None:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err.decode()[-3000:]
+        return False
+    metrics = run_dir / "ckpt" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not metrics.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(kill_after)
+    finished = proc.poll() is not None
+    if not finished:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    mid_save = bool(list((run_dir / "ckpt").glob(".tmp-checkpoint-*")))
+    return mid_save
+
+
+def rows(run_dir):
+    out = []
+    for line in (run_dir / "ckpt" / "metrics.jsonl").read_text().splitlines():
+        out.append({k: v for k, v in json.loads(line).items() if not k.startswith("timing/")})
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("reference")
+    start = time.time()
+    run_worker(run_dir)
+    return run_dir, load_file(str(run_dir / "final.safetensors")), rows(run_dir), time.time() - start
+
+
+def test_sigkill_then_resume_equals_uninterrupted(reference, tmp_path):
+    ref_dir, ref_tensors, ref_rows, duration = reference
+    rng = random.Random(1234)
+    mid_saves = 0
+    for trial in range(TRIALS):
+        run_dir = tmp_path / f"trial-{trial}"
+        # Kill once or twice at random moments of the training phase, then let it finish. Odd trials
+        # stretch the saves (0.05 s around each file write) so that kills land inside them.
+        slow = 0.05 if trial % 2 else 0.0
+        for _ in range(1 + trial % 2):
+            mid_saves += run_worker(run_dir, kill_after=rng.uniform(0.0, 6.0 if slow else 2.5), slow_save=slow)
+        run_worker(run_dir)
+        tensors = load_file(str(run_dir / "final.safetensors"))
+        assert tensors.keys() == ref_tensors.keys()
+        for key in tensors:
+            assert torch.equal(tensors[key], ref_tensors[key]), (trial, key)
+        assert rows(run_dir) == ref_rows, trial
+        names = sorted(p.name for p in (run_dir / "ckpt").iterdir() if "checkpoint" in p.name)
+        assert names == ["checkpoint-10", "checkpoint-11", "checkpoint-12"], names
+    print(f"\n{TRIALS} kill trials, {mid_saves} kill(s) landed during a checkpoint save")
+    if TRIALS >= 4:
+        assert mid_saves >= 1, "no kill hit a save; the test did not exercise crash safety"
