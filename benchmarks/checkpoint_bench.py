@@ -1,0 +1,68 @@
+"""Checkpoint save/load time and size against the raw bytes of the tensors saved.
+
+    python benchmarks/checkpoint_bench.py [--hidden 64 --layers 2] [--repeats 5]
+
+Builds the seed workload (2 agents), takes one optimizer step so AdamW has state, then saves and
+loads checkpoints repeatedly and prints the median times and the sizes.
+"""
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from comlrl import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
+from comlrl import checkpoint as ckpt  # noqa: E402
+from comlrl.testing import tiny_model_dir  # noqa: E402
+
+PROMPTS = ["Describe a city in the clouds:", "Invent a new holiday and explain it:",
+           "Write a bedtime story for a dragon:", "Design a playground on Mars:"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    path = tiny_model_dir(hidden_size=args.hidden, num_layers=args.layers)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = MAGRPOTrainer(
+            agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],
+            tokenizer=AutoTokenizer.from_pretrained(path),
+            reward_func=lambda a, b: [len(y) / max(len(x), 1) for x, y in zip(a, b)],
+            train_dataset=[{"prompt": p} for p in PROMPTS],
+            args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=8, agent_learning_rate=1e-3, output_dir=tmp),
+        )
+        trainer.train()
+        raw = sum(t.numel() * t.element_size() for m in trainer.agents for t in {p.data_ptr(): p for p in m.parameters()}.values())
+        raw_opt = sum(v.numel() * v.element_size() for o in trainer.optimizers for s in o.state.values()
+                      for v in s.values() if hasattr(v, "numel"))
+        saves, loads = [], []
+        for i in range(args.repeats):
+            start = time.perf_counter()
+            saved = trainer._save(Path(tmp) / "ckpts", limit=1)
+            saves.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            ckpt.load_checkpoint(saved, trainer.agents, trainer.optimizers, trainer.schedulers)
+            loads.append(time.perf_counter() - start)
+        size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
+        state_json = (saved / ckpt.STATE_FILE).stat().st_size
+    print(f"model: 2 x Qwen2 hidden {args.hidden}, {args.layers} layers, vocab 512 (fp32)")
+    print(f"raw tensor bytes: weights {raw / 1e6:.3f} MB + AdamW moments {raw_opt / 1e6:.3f} MB "
+          f"= {(raw + raw_opt) / 1e6:.3f} MB")
+    print(f"checkpoint on disk: {size / 1e6:.3f} MB ({size / (raw + raw_opt):.3f}x raw; "
+          f"trainer_state.json {state_json / 1e3:.1f} kB)")
+    print(f"save (write + fsync + sha256 + rename): median {statistics.median(saves) * 1e3:.1f} ms "
+          f"over {args.repeats}")
+    print(f"load (verify sha256 + weights + optimizer + RNG): median {statistics.median(loads) * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
