@@ -20,7 +20,7 @@ from ._io import atomic_write_text
 
 logger = logging.getLogger("comlrl")
 
-__all__ = ["JsonlSink", "WandbSink", "wandb_has_credentials"]
+__all__ = ["JsonlSink", "WandbSink", "wandb_has_credentials", "check_wandb_config"]
 
 _WANDB_INIT_KEYS = {
     "project", "name", "entity", "id", "resume", "tags", "dir", "group", "job_type", "notes",
@@ -63,6 +63,20 @@ class JsonlSink:
             self._file.close()
 
 
+def check_wandb_config(wandb_config: Any) -> Optional[dict[str, Any]]:
+    """Validate a ``wandb_config`` when the trainer is built; returns a copy (or None)."""
+    from .exceptions import ConfigError
+
+    if wandb_config is None:
+        return None
+    if not isinstance(wandb_config, Mapping):
+        raise ConfigError(f"wandb_config must be a dict of wandb.init arguments or None, got {type(wandb_config).__name__}.")
+    unknown = sorted(set(wandb_config) - _WANDB_INIT_KEYS)
+    if unknown:
+        raise ConfigError(f"wandb_config has unknown key(s) {unknown}; known: {sorted(_WANDB_INIT_KEYS)}.")
+    return dict(wandb_config)
+
+
 def wandb_has_credentials() -> bool:
     """True if W&B could log in without asking: an API key in the environment or in ~/.netrc."""
     if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
@@ -90,12 +104,7 @@ class WandbSink:
     def __init__(self, wandb_config: Mapping[str, Any], run_config: Mapping[str, Any], min_step: int = 0):
         import wandb
 
-        from .exceptions import ConfigError
-
-        unknown = sorted(set(wandb_config) - _WANDB_INIT_KEYS)
-        if unknown:
-            raise ConfigError(f"wandb_config has unknown key(s) {unknown}; known: {sorted(_WANDB_INIT_KEYS)}.")
-        kwargs = dict(wandb_config)
+        kwargs = check_wandb_config(wandb_config) or {}
         kwargs.setdefault("project", "comlrl")
         kwargs["config"] = {**dict(run_config), **dict(kwargs.get("config") or {})}
         if "mode" not in kwargs and not os.environ.get("WANDB_MODE") and not wandb_has_credentials():

@@ -29,7 +29,7 @@ from ...advantages import group_advantages
 from ...exceptions import CheckpointDirError, ConfigError, DataError, ResumeMismatchError, TokenizerError
 from ...fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint, model_fingerprint,
                             tokenizer_fingerprint)
-from ...logging import JsonlSink, WandbSink
+from ...logging import JsonlSink, WandbSink, check_wandb_config
 from ...losses import policy_gradient_loss, sequence_log_probs
 from ...rewards import RewardFunction
 from ...rollout import Rollout, SamplingParams, derive_seed, rollout
@@ -101,9 +101,7 @@ class MAGRPOTrainer:
         if not isinstance(args, MAGRPOConfig):
             raise ConfigError(f"args must be a MAGRPOConfig, got {type(args).__name__}.")
         self.args = args
-        if wandb_config is not None and not isinstance(wandb_config, Mapping):
-            raise ConfigError(f"wandb_config must be a dict of wandb.init arguments or None, got {type(wandb_config).__name__}.")
-        self.wandb_config = dict(wandb_config) if wandb_config is not None else None
+        self.wandb_config = check_wandb_config(wandb_config)
         self.agents, tokenizer = self._resolve_agents(agent_model, agents, num_agents, tokenizer)
         self.num_agents = len(self.agents)
         self.tokenizers = self._resolve_tokenizers(tokenizer)
