@@ -46,6 +46,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "prune_checkpoints",
+    "remove_checkpoints",
     "capture_rng_state",
     "restore_rng_state",
 ]
@@ -161,7 +162,8 @@ def restore_rng_state(json_part: dict[str, Any], tensors: dict[str, torch.Tensor
     torch.set_rng_state(tensors["torch_cpu"])
     if torch.cuda.is_available():
         # Same device count: exact. A different count (moved machine) restores what matches.
-        states = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
+        cuda_keys = sorted((k for k in tensors if k.startswith("torch_cuda_")), key=lambda k: int(k.rsplit("_", 1)[1]))
+        states = [tensors[k] for k in cuda_keys]
         for i, s in enumerate(states[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s, i)
 
@@ -291,15 +293,19 @@ def load_checkpoint(path: str | os.PathLike, models: Sequence[torch.nn.Module],
     return state
 
 
+def remove_checkpoints(paths: Sequence[Path]) -> None:
+    """Delete checkpoints; each is renamed to a hidden name first, so a crash mid-delete never
+    leaves a half-deleted ``checkpoint-N`` that looks usable."""
+    for path in paths:
+        trash = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, trash)
+        fsync_dir(path.parent)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
 def prune_checkpoints(directory: str | os.PathLike, keep: int) -> list[Path]:
     """Delete all but the newest ``keep`` committed checkpoints; return what was removed."""
     existing = list_checkpoints(directory)
     doomed = existing[: max(0, len(existing) - keep)]
-    for path in doomed:
-        # Rename first so that a crash mid-delete never leaves a half-deleted checkpoint-N behind.
-        trash = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
-        os.rename(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    if doomed:
-        fsync_dir(directory)
+    remove_checkpoints(doomed)
     return doomed

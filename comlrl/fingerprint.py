@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -60,16 +61,29 @@ def dataset_fingerprint(rows: Iterable[Any]) -> str:
 
 
 def callable_fingerprint(func: Optional[Callable]) -> Optional[str]:
-    """Qualified name plus a digest of the source (or bytecode) of a user function."""
+    """Qualified name plus a digest of the source (or bytecode) of a user function.
+
+    Stable across processes: ``functools.partial`` objects are described by their function and
+    arguments, callable instances by their class's ``__call__`` and their attributes, never by
+    ``repr`` (which holds a memory address).
+    """
     if func is None:
         return None
+    if isinstance(func, functools.partial):
+        inner = callable_fingerprint(func.func)
+        return f"partial({inner}):{digest([list(func.args), func.keywords])}"
     target = getattr(func, "__func__", func)
+    if not (inspect.isfunction(target) or inspect.ismethod(target) or inspect.isbuiltin(target)) \
+            and callable(target) and not isinstance(target, type):
+        cls = type(target)
+        state = getattr(target, "__dict__", {})
+        return f"{callable_fingerprint(cls.__call__)}:{digest(sorted(state.items(), key=lambda kv: kv[0]))}"
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
     try:
         body = inspect.getsource(target)
     except (OSError, TypeError):
         code = getattr(target, "__code__", None)
-        body = code.co_code.hex() if code is not None else repr(target)
+        body = code.co_code.hex() if code is not None else name
     return f"{name}:{hashlib.sha256(body.encode('utf-8')).hexdigest()[:16]}"
 
 

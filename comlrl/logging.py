@@ -33,11 +33,13 @@ class JsonlSink:
 
     Args:
         path: the file (parents are created).
+        run_id: written into every row; on resume only this run's rows are kept.
         keep_until_step: None for a fresh run (the file is started anew); on resume, the
             checkpoint's ``env_step``: rows with a larger ``env_step`` are dropped first.
     """
 
-    def __init__(self, path: str | os.PathLike, keep_until_step: Optional[int] = None):
+    def __init__(self, path: str | os.PathLike, run_id: Optional[str] = None, keep_until_step: Optional[int] = None):
+        self.run_id = run_id
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[str] = []
@@ -47,7 +49,8 @@ class JsonlSink:
                     row = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short by a crash
                     continue
-                if isinstance(row, dict) and row.get("env_step", math.inf) <= keep_until_step:
+                if isinstance(row, dict) and row.get("env_step", math.inf) <= keep_until_step \
+                        and row.get("run_id") == run_id:
                     kept.append(line)
         elif self.path.exists():
             logger.warning("comlrl: starting a fresh run; replacing the old metrics file %s", self.path)
@@ -55,8 +58,14 @@ class JsonlSink:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def log(self, row: Mapping[str, Any]) -> None:
-        self._file.write(json.dumps(dict(row), sort_keys=True) + "\n")
+        record = dict(row) if self.run_id is None else {**row, "run_id": self.run_id}
+        self._file.write(json.dumps(record, sort_keys=True) + "\n")
         self._file.flush()
+
+    def sync(self) -> None:
+        """fsync: called before a checkpoint, whose env_step promises these rows exist."""
+        self._file.flush()
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         if not self._file.closed:

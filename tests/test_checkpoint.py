@@ -33,7 +33,7 @@ def assert_bit_exact(a, b):
 
 
 def rows(directory):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("timing/")}
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("timing/") and k != "run_id"}
             for line in Path(directory, "metrics.jsonl").read_text().splitlines()]
 
 
@@ -255,3 +255,31 @@ def test_bad_train_arguments(make_trainer, tmp_path):
         make_trainer().train(checkpoint_dir=tmp_path, checkpoint_interval=0)
     with pytest.raises(ConfigError, match="need a checkpoint_dir"):
         make_trainer().train(save_steps=3)
+
+
+def test_resuming_an_older_checkpoint_removes_the_newer_ones_of_the_run(make_trainer, tmp_path):
+    d = tmp_path / "rewind"
+    make_trainer(num_train_epochs=4).train(checkpoint_dir=d)
+    # Rewind to checkpoint-2 with a limit of 1: the stale checkpoint-3/4 must not outlive the new saves.
+    resumed = make_trainer(num_train_epochs=3)
+    resumed.train(resume_from_checkpoint=d / "checkpoint-2", checkpoint_dir=d, checkpoint_total_limit=1)
+    assert [p.name for p in d.glob("checkpoint-*")] == ["checkpoint-3"]
+    assert read_checkpoint_metadata(d / "checkpoint-3")["epoch"] == 3
+    assert [r["env_step"] for r in rows(d)] == [4 * i for i in range(1, 13)]
+
+
+def test_function_fingerprints_are_stable_across_processes(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "fp.py"
+    script.write_text(
+        "import functools\n"
+        "from comlrl.fingerprint import callable_fingerprint\n"
+        "def reward(a, b, scale=1):\n    return [scale] * len(a)\n"
+        "class Reward:\n    def __init__(self):\n        self.scale = 2\n"
+        "    def __call__(self, a, b):\n        return [self.scale] * len(a)\n"
+        "print(callable_fingerprint(functools.partial(reward, scale=3)), callable_fingerprint(Reward()))\n")
+    outs = {subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout
+            for _ in range(2)}
+    assert len(outs) == 1 and "partial(" in outs.pop()

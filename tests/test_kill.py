@@ -42,7 +42,7 @@ def run_worker(run_dir, kill_after=None, slow_save=0.0):
 def rows(run_dir):
     out = []
     for line in (run_dir / "ckpt" / "metrics.jsonl").read_text().splitlines():
-        out.append({k: v for k, v in json.loads(line).items() if not k.startswith("timing/")})
+        out.append({k: v for k, v in json.loads(line).items() if not k.startswith("timing/") and k != "run_id"})
     return out
 
 

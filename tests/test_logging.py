@@ -24,6 +24,16 @@ def test_jsonl_fresh_run_replaces_and_resume_keeps_rows_up_to_the_checkpoint(tmp
     assert path.read_text() == ""
 
 
+def test_jsonl_resume_keeps_only_its_own_runs_rows(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    for run in ("other", "mine"):
+        sink = JsonlSink(path, run_id=run) if run == "other" else JsonlSink(path, run_id=run, keep_until_step=99)
+        sink.log({"env_step": 4, "who": run})
+        sink.close()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"env_step": 4, "who": "mine", "run_id": "mine"}]
+
+
 def test_credentials_detection(monkeypatch, tmp_path):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.delenv("WANDB_IDENTITY_TOKEN_FILE", raising=False)

@@ -21,7 +21,7 @@ def metrics_rows(trainer):
 
 
 def without_timing(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith("timing/") and k != "run_id"} for r in rows]
 
 
 def test_seed_run_trains_and_logs_at_env_step(make_trainer):
@@ -245,3 +245,32 @@ def test_bad_rewards_stop_training_before_any_update(make_trainer, bad_reward, w
 def test_device_must_exist(make_trainer):
     with pytest.raises(ConfigError, match="not available"):
         make_trainer(device="cuda:7")
+
+
+def test_every_row_is_formatted_before_training(make_trainer):
+    rows = [{"prompt": "fine"}, {"prompt": "also fine"}, {"prompt": ""}]
+    with pytest.raises(DataError, match="dataset row 2 is empty"):
+        make_trainer(dataset=rows)
+    late = [{"prompt": "a", "n": 1}, {"prompt": "b"}]
+    with pytest.raises(DataError, match="failed on dataset row 1: KeyError"):
+        make_trainer(dataset=late, trainer_kwargs={"formatters": lambda row: row["prompt"] * row["n"]})
+
+
+def test_logged_learning_rate_is_the_one_the_step_used(make_trainer):
+    trainer = make_trainer(num_train_epochs=1, warmup_steps=3)
+    trainer.train()
+    lrs = [r["train/learning_rate"] for r in metrics_rows(trainer)]
+    assert lrs == pytest.approx([1e-3 * 1 / 4, 1e-3 * 2 / 4, 1e-3 * 3 / 4, 1e-3])
+
+
+def test_loss_uses_the_sampling_policy_even_with_dropout(tmp_path):
+    """GPT-2 has dropout 0.1: the loss forward must run it off, like sampling does."""
+    path = tiny_model_dir("gpt2")
+    model = AutoModelForCausalLM.from_pretrained(path, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
+    trainer = MAGRPOTrainer(agents=[model], tokenizer=AutoTokenizer.from_pretrained(path),
+                            reward_func=lambda c: [float(len(x)) for x in c], train_dataset=[{"prompt": "hi"}],
+                            args=MAGRPOConfig(max_new_tokens=6, output_dir=str(tmp_path)))
+    batch = trainer._make_batch([0])
+    ro = trainer._rollout(batch, 0)[0]
+    adv = torch.linspace(-1, 1, len(ro.texts))
+    assert trainer._backward(0, ro, adv, 1.0) == trainer._backward(0, ro, adv, 1.0)

@@ -111,6 +111,9 @@ class MAGRPOTrainer:
             raise ConfigError("reward_func is required: f(completions1, ..., completionsN) -> list of floats.")
         self.reward = RewardFunction(reward_func, self.num_agents, reward_processor)
         self.train_rows = self._resolve_dataset(train_dataset)
+        # Every row is formatted now, so a formatter or prompt problem stops the run before it starts.
+        self.train_prompts = [[self._format(a, row, i) for i, row in enumerate(self.train_rows)]
+                              for a in range(self.num_agents)]
         self.device = self._resolve_device(args.device)
         for model in self.agents:
             model.to(self.device)
@@ -231,8 +234,6 @@ class MAGRPOTrainer:
             if missing:
                 raise DataError(f"train_dataset row {missing[0]} has no 'prompt' column (columns: "
                                 f"{sorted(rows[missing[0]])}); add one, or pass formatters=... that build the prompt.")
-        for agent in range(self.num_agents):
-            self._format(agent, rows[0], 0)  # surface formatter errors now, not mid-run
         return rows
 
     def _format(self, agent: int, row: Mapping[str, Any], index: int) -> str:
@@ -245,6 +246,8 @@ class MAGRPOTrainer:
             raise DataError(f"the prompt of agent {agent} for dataset row {index} is a {type(prompt).__name__}, "
                             f"not a string: {prompt!r:.80}. " +
                             ("Fix the 'prompt' column." if formatter is None else "Make the formatter return str."))
+        if not prompt:
+            raise DataError(f"the prompt of agent {agent} for dataset row {index} is empty; every prompt needs text.")
         return prompt
 
     @staticmethod
@@ -275,7 +278,7 @@ class MAGRPOTrainer:
 
     def _make_batch(self, indices: list[int]) -> StepBatch:
         rows = [self.train_rows[i] for i in indices]
-        prompts = [[self._format(a, r, i) for r, i in zip(rows, indices)] for a in range(self.num_agents)]
+        prompts = [[self.train_prompts[a][i] for i in indices] for a in range(self.num_agents)]
         return StepBatch(indices, rows, prompts)
 
     # ------------------------------------------------------------------------------------------
@@ -298,7 +301,9 @@ class MAGRPOTrainer:
 
     def _backward(self, agent: int, ro: Rollout, advantages: torch.Tensor, weight: float) -> float:
         model = self.agents[agent]
-        model.train()
+        # Eval mode, as during sampling: the gradient must be that of the policy that sampled
+        # (dropout would make it another policy's, biasing the ratio-1 on-policy loss).
+        model.eval()
         logp = sequence_log_probs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, self.args.temperature)
         loss = policy_gradient_loss(logp, advantages.to(logp.device), ro.completion_mask, self.args.loss_type,
                                     self.args.max_new_tokens)
@@ -306,6 +311,7 @@ class MAGRPOTrainer:
         return float(loss.detach())
 
     def _apply_gradients(self) -> list[float]:
+        """Clip, step and zero every agent's gradients; returns the pre-clip gradient norms."""
         norms = []
         for model, opt, sched in zip(self.agents, self.optimizers, self.schedulers):
             params = [p for p in model.parameters() if p.grad is not None]
@@ -335,6 +341,7 @@ class MAGRPOTrainer:
                     lengths[a].append(ro.lengths.float().cpu())
             rewards.append(returns)
             self.state.env_step += len(returns)
+        learning_rate = self.schedulers[0].get_last_lr()[0]  # the rate this step is taken with
         with timer("update"):
             grad_norms = self._apply_gradients()
         self.state.global_step += 1
@@ -344,7 +351,7 @@ class MAGRPOTrainer:
             "train/reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
             "train/reward_min": float(all_rewards.min()),
             "train/reward_max": float(all_rewards.max()),
-            "train/learning_rate": self.schedulers[0].get_last_lr()[0],
+            "train/learning_rate": learning_rate,
         }
         for a in range(self.num_agents):
             agent_lengths = torch.cat(lengths[a])
@@ -389,7 +396,8 @@ class MAGRPOTrainer:
                            "Raise num_train_epochs to continue the run.", resumed_from, self.state.epoch, total_epochs)
             return {}
         metrics_path = Path(checkpoint_dir if checkpoint_dir is not None else self.args.output_dir) / "metrics.jsonl"
-        jsonl = JsonlSink(metrics_path, keep_until_step=self.state.env_step if resumed_from else None)
+        jsonl = JsonlSink(metrics_path, run_id=self.run_id,
+                          keep_until_step=self.state.env_step if resumed_from else None)
         wandb_sink = self._open_wandb(resumed=resumed_from is not None)
         last: dict[str, float] = {}
         steps_per_epoch = self._steps_per_epoch()
@@ -417,6 +425,7 @@ class MAGRPOTrainer:
                         due_epoch = epoch_done and self.state.epoch % checkpoint_interval == 0
                         due_step = save_steps is not None and self.state.global_step % save_steps == 0
                         if due_epoch or due_step:
+                            jsonl.sync()  # the rows up to this checkpoint survive a power cut
                             self._save(checkpoint_dir, checkpoint_total_limit)
                     if epoch_done:
                         break
@@ -478,6 +487,7 @@ class MAGRPOTrainer:
         if checkpoint_dir is None:
             return
         directory = Path(checkpoint_dir)
+        newer = []
         for existing in ckpt.list_checkpoints(directory):
             try:
                 other = ckpt.read_state(existing).get("run_id")
@@ -488,6 +498,15 @@ class MAGRPOTrainer:
                     f"{directory} already holds checkpoints of another run ({existing.name}); nothing was "
                     "overwritten. Resume it with resume_from_checkpoint=..., or choose an empty checkpoint_dir."
                 )
+            if int(existing.name.rsplit("-", 1)[1]) > self.state.checkpoint:
+                newer.append(existing)
+        if newer:
+            # Resuming from an older checkpoint of this run: the newer ones belong to the abandoned
+            # continuation. Left in place, they would be taken as "latest" after a crash and pruned
+            # in the wrong order; training redoes them (identically, the run being deterministic).
+            logger.warning("comlrl: resuming from checkpoint-%d; removing the newer %s of the same run",
+                           self.state.checkpoint, ", ".join(p.name for p in newer))
+            ckpt.remove_checkpoints(newer)
         if directory.is_dir():  # leftovers of a save or prune that was interrupted: never valid checkpoints
             for stale in list(directory.glob(".tmp-checkpoint-*")) + list(directory.glob(".old-checkpoint-*")):
                 shutil.rmtree(stale, ignore_errors=True)
