@@ -9,7 +9,7 @@ from comlrl.trainers.reinforce.config import RESUMABLE_FIELDS
 def test_seed_fields_and_defaults():
     cfg = MAGRPOConfig(num_turns=1, num_train_epochs=2, num_generations=4, max_new_tokens=64, logging_steps=1)
     assert (cfg.num_train_epochs, cfg.num_generations, cfg.max_new_tokens, cfg.logging_steps) == (2, 4, 64, 1)
-    assert cfg.seed == 42 and cfg.temperature == 1.0 and cfg.top_p == 1.0 and cfg.top_k is None
+    assert cfg.seed == 42 and cfg.temperature == 1.0 and cfg.top_p == 1.0 and cfg.top_k == 50
 
 
 @pytest.mark.parametrize("field, value, words", [

@@ -6,12 +6,13 @@ import pytest
 
 
 def test_agents_learn_the_seed_task(make_trainer, tmp_path):
+    # The seed config (num_generations=4, max_new_tokens=64) with defaults otherwise, at lr 1e-3.
     trainer = make_trainer(num_train_epochs=40, max_new_tokens=64, agent_learning_rate=1e-3,
-                           advantage_normalization=True, output_dir=str(tmp_path / "learn"))
+                           output_dir=str(tmp_path / "learn"))
     trainer.train()
     rewards = [json.loads(line)["train/reward_mean"] for line in open(tmp_path / "learn" / "metrics.jsonl")]
     assert len(rewards) == 160
-    first, last = sum(rewards[:16]) / 16, sum(rewards[-16:]) / 16
-    print(f"\nmean reward of the agents' own samples: first 4 epochs {first:.3f}, last 4 epochs {last:.3f}")
-    assert first == pytest.approx(0.37, abs=0.06)  # a random model: both answers ~64 tokens, ratio ~1
-    assert last >= first + 0.12 and last >= 0.5
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-16:]) / 16
+    print(f"\nmean reward of the agents' own samples: first epoch {first:.3f}, last 4 epochs {last:.3f}")
+    assert first == pytest.approx(0.4, abs=0.08)  # a random model: both answers ~64 tokens, ratio ~1
+    assert last >= 0.9

@@ -74,7 +74,7 @@ class MAGRPOConfig:
     max_new_tokens: int = _fixed(256, "Most tokens an agent generates per completion.")
     temperature: float = _fixed(1.0, "Sampling temperature; the loss scores tokens at the same temperature.")
     top_p: float = _fixed(1.0, "Nucleus sampling: keep the smallest token set with this much probability.")
-    top_k: Optional[int] = _fixed(None, "Keep only the k most likely tokens; None or 0 = no limit.")
+    top_k: Optional[int] = _fixed(50, "Keep only the k most likely tokens (transformers' default 50); None or 0 = no limit.")
 
     # --- MAGRPO ------------------------------------------------------------------------------------
     num_turns: int = _fixed(1, "Turns per episode (multi-turn needs an external_transition; not yet available).")
