@@ -81,24 +81,49 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
             same distribution, which is what makes sampling reproducible row by row.
     Returns:
         ``[R]`` int64 token ids. Filtering follows transformers' order: temperature, top-k, top-p.
+        The CDF runs over token ids in increasing order whichever path computes it.
     """
     scores = logits.float() / temperature
-    if top_k:
-        k = min(int(top_k), scores.shape[-1])
-        kth = torch.topk(scores, k, dim=-1).values[:, -1:]
+    vocab = scores.shape[-1]
+    if top_k and top_k < vocab:
+        top_scores, top_ids = torch.topk(scores, int(top_k), dim=-1)  # [R, k], sorted descending
+        kth = top_scores[:, -1:]
+        # Fast path: work on the k candidates only (O(k) instead of O(V) per step). Valid unless a
+        # tie at the k-th score keeps more than k tokens, as transformers' top-k does.
+        if bool(((scores >= kth).sum(dim=-1) == top_k).all()):
+            return _sample_candidates(top_scores, top_ids, uniforms, top_p)
         scores = scores.masked_fill(scores < kth, -torch.inf)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float64)
     if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop_sorted = mass_before >= top_p
-        drop_sorted[:, 0] = False  # always keep the most likely token
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(_nucleus_drop(probs, top_p), 0.0)
+    return _invert_cdf(probs, uniforms, torch.arange(vocab, device=probs.device).expand_as(probs))
+
+
+def _nucleus_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``[R, V]`` bool: tokens outside the smallest most-likely set holding ``top_p`` of the mass."""
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    drop_sorted = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
+    drop_sorted[:, 0] = False  # always keep the most likely token
+    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+
+
+def _sample_candidates(top_scores: torch.Tensor, top_ids: torch.Tensor, uniforms: torch.Tensor,
+                       top_p: float) -> torch.Tensor:
+    probs = torch.softmax(top_scores, dim=-1, dtype=torch.float64)  # [R, k], descending
+    if top_p < 1.0:
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[:, 0] = False
         probs = probs.masked_fill(drop, 0.0)
+    ids, order = torch.sort(top_ids, dim=-1)  # token-id order, like the full-vocabulary CDF
+    return _invert_cdf(probs.gather(-1, order), uniforms, ids)
+
+
+def _invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Token ``ids[r, j]`` for the first j whose cumulative probability reaches ``u * total``."""
     cdf = torch.cumsum(probs, dim=-1)
     target = uniforms.to(cdf.device, torch.float64).unsqueeze(-1) * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, target).squeeze(-1)
-    return tokens.clamp_(max=probs.shape[-1] - 1)
+    pos = torch.searchsorted(cdf, target).clamp_(max=probs.shape[-1] - 1)
+    return ids.gather(-1, pos).squeeze(-1)
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:

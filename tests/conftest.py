@@ -11,6 +11,13 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+# Tiny models: one intra-op thread is faster than two and immune to a busy second core
+# (OpenMP threads spin-waiting on a loaded core made forwards 5-50x slower in our runs).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 from helpers import SEED_PROMPTS, length_ratio_reward  # noqa: E402
 
