@@ -145,6 +145,7 @@ class WandbSink:
 
     def close(self) -> None:
         if self.offline:
+            run_dir = str(Path(self.run.dir).parent)  # run.dir is the run's files/ folder
             logger.warning("comlrl: W&B run %s was logged offline in %s; upload it with `wandb sync %s`.",
-                           self.run.id, self.run.dir, str(Path(self.run.dir).parent))
+                           self.run.id, run_dir, run_dir)
         self.run.finish()

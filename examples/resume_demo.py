@@ -105,6 +105,8 @@ trainer.train(
 # ---- The curve -----------------------------------------------------------------------------------
 rows = [json.loads(line) for line in Path(checkpoint_dir, "metrics.jsonl").read_text().splitlines()]
 print(f"\ncheckpoints: {sorted(p.name for p in Path(checkpoint_dir).glob('checkpoint-*'))}")
+print("(the document's default learning rate, 5e-6, barely moves a random tiny model in 4 epochs; at 1e-3 "
+      "it learns the task, mean reward 0.37 -> 0.99 in 40 epochs: see tests/test_learning.py)")
 print(f"W&B run: {identity}")
 print(f"\n{'env_step':>8} {'epoch':>6} {'reward':>8} {'len agent0':>10} {'len agent1':>10}")
 for r in rows:

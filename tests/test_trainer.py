@@ -158,6 +158,21 @@ def test_agent_model_path_loads_num_agents_and_tokenizer(model_path, tmp_path):
     assert trainer.num_agents == 3 and len({id(a) for a in trainer.agents}) == 3
 
 
+def test_agent_model_instance_is_copied_and_shuffle_off_keeps_dataset_order(model_path, tokenizer, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    trainer = MAGRPOTrainer(agent_model=model, num_agents=2, tokenizer=tokenizer, reward_func=length_ratio_reward,
+                            train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
+                            args=MAGRPOConfig(shuffle=False, train_batch_size=3, output_dir=str(tmp_path)))
+    assert trainer.agents[0] is model and trainer.agents[1] is not model
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), trainer.agents[1].parameters()))
+    assert trainer._epoch_micro_batches(5) == [[0, 1, 2], [3]]
+    shuffled = MAGRPOTrainer(agent_model=model_path, tokenizer=tokenizer, reward_func=length_ratio_reward,
+                             train_dataset=[{"prompt": p} for p in SEED_PROMPTS] * 4,
+                             args=MAGRPOConfig(output_dir=str(tmp_path)))
+    orders = [sum(shuffled._epoch_micro_batches(e), []) for e in range(3)]
+    assert all(sorted(o) == list(range(16)) for o in orders) and orders[0] != orders[1]
+
+
 def test_heterogeneous_agents_with_one_tokenizer_each(tokenizer, tmp_path):
     q = AutoModelForCausalLM.from_pretrained(tiny_model_dir("qwen2"))
     g = AutoModelForCausalLM.from_pretrained(tiny_model_dir("gpt2"))
