@@ -35,6 +35,8 @@ def test_seed_fields_and_defaults():
     ("loss_type", "ppo", "loss_type"),
     ("num_turns", 2, "num_turns"),
     ("seed", -1, "seed"),
+    ("eval_interval", -1, "eval_interval"),
+    ("eval_num_samples", 0, "eval_num_samples"),
     ("num_generations", True, "num_generations"),
 ])
 def test_invalid_values_raise_at_construction(field, value, words):
@@ -74,7 +76,8 @@ def test_every_field_is_documented_in_one_line():
 
 
 def test_only_the_documented_fields_may_change_on_resume():
-    assert RESUMABLE_FIELDS == {"num_train_epochs", "logging_steps", "output_dir", "device"}
+    assert RESUMABLE_FIELDS == {"num_train_epochs", "logging_steps", "output_dir", "device", "eval_interval",
+                                "eval_num_samples"}
 
 
 def test_round_trip_through_dict():

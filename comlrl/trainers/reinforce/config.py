@@ -55,6 +55,8 @@ class MAGRPOConfig:
     logging_steps: int = _may_change(10, "Log metrics every this many optimizer steps (averaged over them).")
     output_dir: str = _may_change("outputs", "Where metrics.jsonl goes when train() gets no checkpoint_dir.")
     device: Optional[str] = _may_change(None, "Device for all agents, e.g. 'cpu', 'cuda:0'; None = cuda if available.")
+    eval_interval: int = _may_change(0, "Evaluate on eval_dataset every this many optimizer steps; 0 = only when called.")
+    eval_num_samples: Optional[int] = _may_change(None, "Eval prompts used per evaluation (the first N); None = all.")
     seed: int = _fixed(42, "Seeds data order, sampling and model code; same seed + same inputs = same run.")
 
     # --- optimisation (one AdamW per agent) ------------------------------------------------------
@@ -88,6 +90,9 @@ class MAGRPOConfig:
         _check_int(self, "num_train_epochs", minimum=1)
         _check_int(self, "logging_steps", minimum=1)
         _check_int(self, "seed", minimum=0)
+        _check_int(self, "eval_interval", minimum=0)
+        if self.eval_num_samples is not None:
+            _check_int(self, "eval_num_samples", minimum=1)
         _check_int(self, "warmup_steps", minimum=0)
         _check_int(self, "train_batch_size", minimum=1)
         _check_int(self, "gradient_accumulation_steps", minimum=1)

@@ -81,6 +81,8 @@ class MAGRPOTrainer:
         wandb_config: keyword arguments for ``wandb.init``; None = no W&B.
         formatters: ``f(row) -> str``, one shared or a list with one per agent.
         reward_processor: ``f(float) -> float`` applied to every reward.
+        eval_dataset: rows for :meth:`evaluate` (same columns as ``train_dataset``); evaluated every
+            ``eval_interval`` optimizer steps during training when that is > 0.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class MAGRPOTrainer:
         wandb_config: Optional[Mapping[str, Any]] = None,
         formatters: Union[Callable[[Mapping[str, Any]], str], Sequence[Callable], None] = None,
         reward_processor: Optional[Callable[[float], float]] = None,
+        eval_dataset: Any = None,
     ):
         if args is None:
             args = MAGRPOConfig()
@@ -110,10 +113,14 @@ class MAGRPOTrainer:
         if reward_func is None:
             raise ConfigError("reward_func is required: f(completions1, ..., completionsN) -> list of floats.")
         self.reward = RewardFunction(reward_func, self.num_agents, reward_processor)
-        self.train_rows = self._resolve_dataset(train_dataset)
+        self.train_rows = self._resolve_dataset(train_dataset, "train_dataset")
         # Every row is formatted now, so a formatter or prompt problem stops the run before it starts.
-        self.train_prompts = [[self._format(a, row, i) for i, row in enumerate(self.train_rows)]
-                              for a in range(self.num_agents)]
+        self.train_prompts = self._format_all(self.train_rows)
+        self.eval_rows = self._resolve_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
+        self.eval_prompts = self._format_all(self.eval_rows) if self.eval_rows is not None else None
+        if args.eval_interval and self.eval_rows is None:
+            raise ConfigError(f"eval_interval={args.eval_interval} but no eval_dataset was given; pass "
+                              "eval_dataset=... or set eval_interval=0.")
         self.device = self._resolve_device(args.device)
         for model in self.agents:
             model.to(self.device)
@@ -220,21 +227,25 @@ class MAGRPOTrainer:
                               f"(one per agent), got {len(formatters)} item(s).")
         return formatters
 
-    def _resolve_dataset(self, dataset) -> list[dict[str, Any]]:
+    def _resolve_dataset(self, dataset, name: str) -> list[dict[str, Any]]:
         if dataset is None:
-            raise DataError("train_dataset is required: a datasets.Dataset or a list of dicts with a 'prompt' column.")
+            raise DataError(f"{name} is required: a datasets.Dataset or a list of dicts with a 'prompt' column.")
         try:
             rows = [dict(r) for r in dataset]
         except (TypeError, ValueError) as exc:
-            raise DataError(f"train_dataset must be a datasets.Dataset or a list of dicts; iterating it failed: {exc}")
+            raise DataError(f"{name} must be a datasets.Dataset or a list of dicts; iterating it failed: {exc}")
         if not rows:
-            raise DataError("train_dataset is empty; it needs at least one row.")
+            raise DataError(f"{name} is empty; it needs at least one row.")
         if any(f is None for f in self.formatters):
             missing = [i for i, r in enumerate(rows) if "prompt" not in r]
             if missing:
-                raise DataError(f"train_dataset row {missing[0]} has no 'prompt' column (columns: "
+                raise DataError(f"{name} row {missing[0]} has no 'prompt' column (columns: "
                                 f"{sorted(rows[missing[0]])}); add one, or pass formatters=... that build the prompt.")
         return rows
+
+    def _format_all(self, rows: list[dict[str, Any]]) -> list[list[str]]:
+        """``[num_agents][len(rows)]`` prompts."""
+        return [[self._format(a, row, i) for i, row in enumerate(rows)] for a in range(self.num_agents)]
 
     def _format(self, agent: int, row: Mapping[str, Any], index: int) -> str:
         formatter = self.formatters[agent]
@@ -276,19 +287,25 @@ class MAGRPOTrainer:
     def _steps_per_epoch(self) -> int:
         return math.ceil(len(self._epoch_micro_batches(0)) / self.args.gradient_accumulation_steps)
 
-    def _make_batch(self, indices: list[int]) -> StepBatch:
-        rows = [self.train_rows[i] for i in indices]
-        prompts = [[self.train_prompts[a][i] for i in indices] for a in range(self.num_agents)]
+    def _make_batch(self, indices: list[int], split: str = "train") -> StepBatch:
+        source_rows, source_prompts = (self.train_rows, self.train_prompts) if split == "train" \
+            else (self.eval_rows, self.eval_prompts)
+        rows = [source_rows[i] for i in indices]
+        prompts = [[source_prompts[a][i] for i in indices] for a in range(self.num_agents)]
         return StepBatch(indices, rows, prompts)
 
     # ------------------------------------------------------------------------------------------
     # phases
     # ------------------------------------------------------------------------------------------
     def _rollout(self, batch: StepBatch, epoch: int) -> list[Rollout]:
+        """Training samples: seeded by (seed, agent, epoch, example, generation)."""
+        return self._sample(batch, lambda a, idx, g: derive_seed(self.args.seed, "train", a, epoch, idx, g))
+
+    def _sample(self, batch: StepBatch, seed_of: Callable[[int, int, int], int]) -> list[Rollout]:
         k = self.args.num_generations
         outs = []
         for a, (model, tok) in enumerate(zip(self.agents, self.tokenizers)):
-            seeds = [[derive_seed(self.args.seed, "train", a, epoch, idx, g) for g in range(k)] for idx in batch.indices]
+            seeds = [[seed_of(a, idx, g) for g in range(k)] for idx in batch.indices]
             outs.append(rollout(model, tok, batch.prompts[a], seeds, self.sampling, self.eos_token_ids[a]))
         return outs
 
@@ -362,6 +379,48 @@ class MAGRPOTrainer:
         return metrics
 
     # ------------------------------------------------------------------------------------------
+    # evaluation
+    # ------------------------------------------------------------------------------------------
+    def evaluate(self, num_samples: Optional[int] = None) -> dict[str, float]:
+        """Sample ``num_generations`` completions per eval prompt and score them; no update.
+
+        Uses the first ``num_samples`` rows of ``eval_dataset`` (default ``eval_num_samples``, else
+        all). Eval samples come from their own seeds (the same at every evaluation, so evaluations
+        compare like with like), and every global random state is restored afterwards, so a run
+        with evaluation trains to exactly the same weights as one without. During ``train()`` the
+        result is logged under ``eval/`` at the current ``env_step``.
+
+        Returns:
+            ``eval/reward_mean``, ``eval/reward_std``, ``eval/turn_1/reward_mean``,
+            ``eval/return_mean`` and ``eval/agent_i/completion_length`` per agent.
+        """
+        if self.eval_rows is None:
+            raise ConfigError("evaluate() needs an eval_dataset; pass eval_dataset=... to MAGRPOTrainer.")
+        count = num_samples if num_samples is not None else self.args.eval_num_samples
+        indices = list(range(min(count or len(self.eval_rows), len(self.eval_rows))))
+        rng_json, rng_tensors = ckpt.capture_rng_state()
+        rewards, lengths = [], [[] for _ in self.agents]
+        try:
+            for start in range(0, len(indices), self.args.train_batch_size):
+                batch = self._make_batch(indices[start:start + self.args.train_batch_size], "eval")
+                rollouts = self._sample(batch, lambda a, idx, g: derive_seed(self.args.seed, "eval", a, idx, g))
+                rewards.append(self._score(batch, rollouts))
+                for a, ro in enumerate(rollouts):
+                    lengths[a].append(ro.lengths.float().cpu())
+        finally:
+            ckpt.restore_rng_state(rng_json, rng_tensors)
+        all_rewards = torch.cat(rewards)
+        metrics = {
+            "eval/reward_mean": float(all_rewards.mean()),
+            "eval/reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
+            "eval/turn_1/reward_mean": float(all_rewards.mean()),
+            "eval/return_mean": float(all_rewards.mean()),  # one turn: the return is the reward
+        }
+        for a in range(self.num_agents):
+            metrics[f"eval/agent_{a}/completion_length"] = float(torch.cat(lengths[a]).mean())
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
     # the loop
     # ------------------------------------------------------------------------------------------
     def train(
@@ -417,7 +476,14 @@ class MAGRPOTrainer:
                         self.state.epoch += 1
                         self.state.step_in_epoch = 0
                     metrics.update(timer.metrics())
-                    logged = self._accumulate_and_log(metrics, epoch + (start + len(chunk)) / len(micro), jsonl, wandb_sink)
+                    evaluation = None
+                    if self.args.eval_interval and self.state.global_step % self.args.eval_interval == 0:
+                        eval_timer = PhaseTimer(self.device)
+                        with eval_timer("eval"):
+                            evaluation = self.evaluate()
+                        evaluation.update(eval_timer.metrics())
+                    logged = self._accumulate_and_log(metrics, epoch + (start + len(chunk)) / len(micro), jsonl,
+                                                      wandb_sink, evaluation)
                     last = logged or last
                     progress.update(1)
                     progress.set_postfix(epoch=epoch + 1, reward=f"{metrics['train/reward_mean']:.3f}")
@@ -437,19 +503,24 @@ class MAGRPOTrainer:
         return last
 
     def _accumulate_and_log(self, metrics: dict[str, float], epoch: float, jsonl: JsonlSink,
-                            wandb_sink: Optional[WandbSink]) -> Optional[dict[str, float]]:
+                            wandb_sink: Optional[WandbSink], evaluation: Optional[dict[str, float]] = None
+                            ) -> Optional[dict[str, float]]:
+        """Add a step's metrics to the window; write one row on logging steps and eval steps."""
         window = self.state.log_window
         for key, value in metrics.items():
             window[key] = window.get(key, 0.0) + value
         self.state.log_window_steps += 1
-        if self.state.global_step % self.args.logging_steps:
+        row: dict[str, float] = {}
+        if self.state.global_step % self.args.logging_steps == 0:
+            n = self.state.log_window_steps
+            row = {key: value / n for key, value in sorted(window.items())}
+            for key in ("train/reward_min", "train/reward_max"):  # extremes stay extremes (last step's)
+                row[key] = metrics[key]
+            self.state.log_window, self.state.log_window_steps = {}, 0
+        row.update(evaluation or {})
+        if not row:
             return None
-        n = self.state.log_window_steps
-        row = {key: value / n for key, value in sorted(window.items())}
-        for key in ("train/reward_min", "train/reward_max"):  # extremes stay extremes (last step's)
-            row[key] = metrics[key]
         row.update(env_step=self.state.env_step, global_step=self.state.global_step, epoch=round(epoch, 6))
-        self.state.log_window, self.state.log_window_steps = {}, 0
         jsonl.log(row)
         if wandb_sink is not None:
             wandb_sink.log({k: v for k, v in row.items() if k != "env_step"}, step=self.state.env_step)
