@@ -14,7 +14,7 @@ from ...exceptions import ConfigError
 __all__ = ["MAGRPOConfig", "RESUMABLE_FIELDS"]
 
 ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
-JOINT_MODES = ("aligned",)
+JOINT_MODES = ("aligned", "cross")
 LOSS_TYPES = ("grpo", "token_mean", "dr_grpo")
 
 # Names users of other libraries type, mapped to ours, for the "unknown field" message.
@@ -80,7 +80,9 @@ class MAGRPOConfig:
 
     # --- MAGRPO ------------------------------------------------------------------------------------
     num_turns: int = _fixed(1, "Turns per episode (multi-turn needs an external_transition; not yet available).")
-    joint_mode: str = _fixed("aligned", "'aligned': completion i of every agent forms joint action i.")
+    joint_mode: str = _fixed("aligned", "'aligned': completion i of every agent forms joint action i (K per prompt); "
+                                        "'cross': every combination (K**num_agents per prompt).")
+    max_joint_actions: int = _fixed(4096, "Refuse settings whose joint actions per prompt group exceed this (cross mode grows as K**N).")
     advantage_mode: str = _fixed("mean", "Baseline: 'mean' (r - group mean), 'raw' (r), 'max' (r - group max), 'rloo'.")
     advantage_normalization: bool = _fixed(False, "Divide advantages by the group's reward std (GRPO's scaling).")
     loss_type: str = _fixed("grpo", "'grpo': mean over a completion's tokens, then over completions; "
@@ -97,6 +99,7 @@ class MAGRPOConfig:
         _check_int(self, "train_batch_size", minimum=1)
         _check_int(self, "gradient_accumulation_steps", minimum=1)
         _check_int(self, "num_turns", minimum=1)
+        _check_int(self, "max_joint_actions", minimum=1)
         _check_int(self, "max_new_tokens", minimum=1)
         if not isinstance(self.num_generations, int) or isinstance(self.num_generations, bool) \
                 or self.num_generations < 2:

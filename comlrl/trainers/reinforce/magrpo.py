@@ -29,6 +29,7 @@ from ...advantages import group_advantages
 from ...exceptions import CheckpointDirError, ConfigError, DataError, ResumeMismatchError, TokenizerError
 from ...fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint, model_fingerprint,
                             tokenizer_fingerprint)
+from ...joint import cross_combinations, cross_returns, joint_actions_per_group
 from ...logging import JsonlSink, WandbSink, check_wandb_config
 from ...losses import policy_gradient_loss, sequence_log_probs
 from ...rewards import RewardFunction
@@ -113,6 +114,13 @@ class MAGRPOTrainer:
         if reward_func is None:
             raise ConfigError("reward_func is required: f(completions1, ..., completionsN) -> list of floats.")
         self.reward = RewardFunction(reward_func, self.num_agents, reward_processor)
+        self.joint_per_group = joint_actions_per_group(args.joint_mode, args.num_generations, self.num_agents)
+        if self.joint_per_group > args.max_joint_actions:
+            raise ConfigError(
+                f"joint_mode={args.joint_mode!r} with num_generations={args.num_generations} and {self.num_agents} "
+                f"agents scores {self.joint_per_group} joint actions per prompt (K**N), above max_joint_actions="
+                f"{args.max_joint_actions}. Lower num_generations, use joint_mode='aligned', or raise max_joint_actions."
+            )
         self.train_rows = self._resolve_dataset(train_dataset, "train_dataset")
         # Every row is formatted now, so a formatter or prompt problem stops the run before it starts.
         self.train_prompts = self._format_all(self.train_rows)
@@ -310,11 +318,29 @@ class MAGRPOTrainer:
         return outs
 
     def _score(self, batch: StepBatch, rollouts: list[Rollout]) -> torch.Tensor:
-        """``[R]`` rewards of the aligned joint actions (row r of every agent)."""
-        k = self.args.num_generations
-        prompts = [r.get("prompt", p) for r, p in zip(batch.rows, batch.prompts[0]) for _ in range(k)]
-        items = [row for row in batch.rows for _ in range(k)]
-        return self.reward([r.texts for r in rollouts], prompts, items)
+        """``[G * J]`` rewards of every joint action, group-major (J joint actions per group).
+
+        Aligned: joint action k of group g is row g*K+k of every agent. Cross: joint action j of
+        group g combines, for each agent a, row g*K + combos[j, a] (see :mod:`comlrl.joint`).
+        """
+        k, per_group = self.args.num_generations, self.joint_per_group
+        if self.args.joint_mode == "aligned":
+            completions = [r.texts for r in rollouts]
+        else:
+            combos = cross_combinations(k, self.num_agents)
+            completions = [[ro.texts[g * k + int(c)] for g in range(len(batch.indices)) for c in combos[:, a]]
+                           for a, ro in enumerate(rollouts)]
+        prompts = [r.get("prompt", p) for r, p in zip(batch.rows, batch.prompts[0]) for _ in range(per_group)]
+        items = [row for row in batch.rows for _ in range(per_group)]
+        return self.reward(completions, prompts, items)
+
+    def _agent_returns(self, rewards: torch.Tensor, groups: int) -> list[torch.Tensor]:
+        """Each agent's ``[G * K]`` completion returns from the joint-action rewards."""
+        if self.args.joint_mode == "aligned":
+            return [rewards] * self.num_agents
+        per_agent = cross_returns(rewards.reshape(groups, self.joint_per_group), self.args.num_generations,
+                                  self.num_agents)
+        return list(per_agent)
 
     def _backward(self, agent: int, ro: Rollout, advantages: torch.Tensor, weight: float) -> float:
         model = self.agents[agent]
@@ -350,11 +376,12 @@ class MAGRPOTrainer:
             with timer("score"):
                 returns = self._score(batch, rollouts)
             with timer("advantage"):
-                advantages = group_advantages(returns, rollouts[0].group_ids.cpu(), self.args.advantage_mode,
-                                              self.args.advantage_normalization)
+                advantages = [group_advantages(r, rollouts[0].group_ids.cpu(), self.args.advantage_mode,
+                                               self.args.advantage_normalization)
+                              for r in self._agent_returns(returns, len(indices))]
             with timer("update"):
                 for a, ro in enumerate(rollouts):
-                    losses[a].append(self._backward(a, ro, advantages, len(indices) / total_groups) * len(indices))
+                    losses[a].append(self._backward(a, ro, advantages[a], len(indices) / total_groups) * len(indices))
                     lengths[a].append(ro.lengths.float().cpu())
             rewards.append(returns)
             self.state.env_step += len(returns)
@@ -460,6 +487,11 @@ class MAGRPOTrainer:
         wandb_sink = self._open_wandb(resumed=resumed_from is not None)
         last: dict[str, float] = {}
         steps_per_epoch = self._steps_per_epoch()
+        prompts_per_step = self.args.train_batch_size * self.args.gradient_accumulation_steps
+        logger.info("comlrl: %d agents, joint_mode=%s: each optimizer step samples %d completions per agent and "
+                    "scores %d joint actions (%d per prompt); %d steps per epoch.", self.num_agents,
+                    self.args.joint_mode, prompts_per_step * self.args.num_generations,
+                    prompts_per_step * self.joint_per_group, self.joint_per_group, steps_per_epoch)
         progress = _progress(total=total_epochs * steps_per_epoch, initial=self.state.global_step)
         try:
             while self.state.epoch < total_epochs:

@@ -1,0 +1,61 @@
+import itertools
+
+import pytest
+import torch
+
+from comlrl import ConfigError
+from comlrl.joint import cross_combinations, cross_returns, joint_actions_per_group
+
+
+def slow_cross_returns(rewards, k, n):
+    groups = rewards.shape[0]
+    combos = list(itertools.product(range(k), repeat=n))
+    out = torch.zeros(n, groups * k, dtype=rewards.dtype)
+    for agent in range(n):
+        for g in range(groups):
+            for c in range(k):
+                values = [rewards[g, j] for j, combo in enumerate(combos) if combo[agent] == c]
+                out[agent, g * k + c] = sum(values) / len(values)
+    return out
+
+
+@pytest.mark.parametrize("k, n, groups", [(2, 1, 3), (3, 2, 2), (2, 3, 2), (4, 2, 1)])
+def test_cross_returns_match_the_slow_reference(k, n, groups):
+    rewards = torch.randn(groups, k ** n, generator=torch.Generator().manual_seed(k * 10 + n), dtype=torch.float64)
+    torch.testing.assert_close(cross_returns(rewards, k, n), slow_cross_returns(rewards, k, n))
+
+
+def test_cross_combinations_and_counts():
+    combos = cross_combinations(3, 2)
+    assert combos.shape == (9, 2) and combos[:4].tolist() == [[0, 0], [0, 1], [0, 2], [1, 0]]
+    assert joint_actions_per_group("aligned", 4, 3) == 4 and joint_actions_per_group("cross", 4, 3) == 64
+
+
+def test_cross_mode_scores_every_combination(make_trainer):
+    calls = []
+
+    def reward(completions1, completions2):
+        calls.append((list(completions1), list(completions2)))
+        return [float(len(a) - len(b)) for a, b in zip(completions1, completions2)]
+
+    trainer = make_trainer(num_train_epochs=1, joint_mode="cross", num_generations=3, reward_func=reward,
+                           train_batch_size=2)
+    batch = trainer._make_batch([0, 1])
+    rollouts = trainer._rollout(batch, 0)
+    rewards = trainer._score(batch, rollouts)
+    assert rewards.shape == (2 * 9,)
+    first, second = calls[-1]
+    for g in range(2):
+        for j, (i0, i1) in enumerate(itertools.product(range(3), repeat=2)):
+            assert first[g * 9 + j] == rollouts[0].texts[g * 3 + i0]
+            assert second[g * 9 + j] == rollouts[1].texts[g * 3 + i1]
+    returns = trainer._agent_returns(rewards, 2)
+    torch.testing.assert_close(torch.stack(returns), slow_cross_returns(rewards.view(2, 9), 3, 2))
+    trainer.train()
+    assert trainer.state.env_step == 4 * 9  # 4 prompts x K**N joint actions
+
+
+def test_cross_mode_growth_is_guarded_up_front(make_trainer):
+    with pytest.raises(ConfigError, match=r"scores 64 joint actions per prompt \(K\*\*N\), above max_joint_actions=50"):
+        make_trainer(num_agents=3, reward_func=lambda a, b, c: [0.0] * len(a), joint_mode="cross",
+                     num_generations=4, max_joint_actions=50)
