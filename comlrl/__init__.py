@@ -5,7 +5,7 @@
 """
 
 from .exceptions import (CheckpointDirError, CheckpointError, ComlrlError, ConfigError, DataError,
-                         ResumeMismatchError, RewardError, TokenizerError)
+                         ResumeMismatchError, RewardError, TokenizerError, TransitionError)
 from .trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
 __version__ = "0.1.0"
@@ -18,6 +18,7 @@ __all__ = [
     "DataError",
     "TokenizerError",
     "RewardError",
+    "TransitionError",
     "CheckpointError",
     "CheckpointDirError",
     "ResumeMismatchError",

@@ -9,6 +9,7 @@ built-in exception a Python user would try first (``ValueError``, ``TypeError``)
     ├── DataError              (ValueError)  the dataset or a formatter output is unusable
     ├── TokenizerError         (ValueError)  tokenizer missing, incompatible with a model, ...
     ├── RewardError            (ValueError)  the reward function raised or returned bad values
+    ├── TransitionError        (ValueError)  the external transition raised or returned bad prompts
     └── CheckpointError        (ValueError)  a checkpoint is missing, incomplete, corrupted or tampered
         ├── CheckpointDirError               checkpoint_dir holds another run's checkpoints
         └── ResumeMismatchError              resuming with settings that must not change
@@ -22,6 +23,7 @@ __all__ = [
     "DataError",
     "TokenizerError",
     "RewardError",
+    "TransitionError",
     "CheckpointError",
     "CheckpointDirError",
     "ResumeMismatchError",
@@ -46,6 +48,10 @@ class TokenizerError(ComlrlError, ValueError):
 
 class RewardError(ComlrlError, ValueError):
     """The reward function raised, or returned the wrong number or kind of values."""
+
+
+class TransitionError(ComlrlError, ValueError):
+    """The external transition raised, or did not return one non-empty prompt string per agent."""
 
 
 class CheckpointError(ComlrlError, ValueError):

@@ -41,8 +41,8 @@ def test_cross_mode_scores_every_combination(make_trainer):
     trainer = make_trainer(num_train_epochs=1, joint_mode="cross", num_generations=3, reward_func=reward,
                            train_batch_size=2)
     batch = trainer._make_batch([0, 1])
-    rollouts = trainer._rollout(batch, 0)
-    rewards = trainer._score(batch, rollouts)
+    (turn,) = trainer._episode(batch, trainer._train_seed(0))
+    rollouts, rewards = turn.rollouts, turn.rewards
     assert rewards.shape == (2 * 9,)
     first, second = calls[-1]
     for g in range(2):
@@ -56,6 +56,6 @@ def test_cross_mode_scores_every_combination(make_trainer):
 
 
 def test_cross_mode_growth_is_guarded_up_front(make_trainer):
-    with pytest.raises(ConfigError, match=r"scores 64 joint actions per prompt \(K\*\*N\), above max_joint_actions=50"):
+    with pytest.raises(ConfigError, match=r"scores 64 joint actions per prompt \(64 per node.*above max_joint_actions=50"):
         make_trainer(num_agents=3, reward_func=lambda a, b, c: [0.0] * len(a), joint_mode="cross",
                      num_generations=4, max_joint_actions=50)

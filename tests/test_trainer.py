@@ -101,17 +101,17 @@ def test_one_agent_is_grpo(make_trainer):
     reference = AutoModelForCausalLM.from_pretrained(trainer.agents[0].config._name_or_path)
     reference.load_state_dict(trainer.agents[0].state_dict())
     captured = {}
-    rollout, apply = trainer._rollout, trainer._apply_gradients
+    sample, apply = trainer._sample_nodes, trainer._apply_gradients
 
-    def spy_rollout(batch, epoch):
-        captured.setdefault("rollouts", rollout(batch, epoch))
+    def spy_sample(nodes, seed_of):
+        captured.setdefault("rollouts", sample(nodes, seed_of))
         return captured["rollouts"]
 
     def spy_apply():
         captured["grads"] = {n: p.grad.clone() for n, p in trainer.agents[0].named_parameters()}
         return apply()
 
-    trainer._rollout, trainer._apply_gradients = spy_rollout, spy_apply
+    trainer._sample_nodes, trainer._apply_gradients = spy_sample, spy_apply
     from comlrl.timing import PhaseTimer
 
     trainer._optimizer_step(trainer._epoch_micro_batches(0)[:1], 0, PhaseTimer())
@@ -286,6 +286,6 @@ def test_loss_uses_the_sampling_policy_even_with_dropout(tmp_path):
                             reward_func=lambda c: [float(len(x)) for x in c], train_dataset=[{"prompt": "hi"}],
                             args=MAGRPOConfig(max_new_tokens=6, output_dir=str(tmp_path)))
     batch = trainer._make_batch([0])
-    ro = trainer._rollout(batch, 0)[0]
+    ro = trainer._episode(batch, trainer._train_seed(0))[0].rollouts[0]
     adv = torch.linspace(-1, 1, len(ro.texts))
     assert trainer._backward(0, ro, adv, 1.0) == trainer._backward(0, ro, adv, 1.0)

@@ -79,10 +79,12 @@ class MAGRPOConfig:
     top_k: Optional[int] = _fixed(50, "Keep only the k most likely tokens (transformers' default 50); None or 0 = no limit.")
 
     # --- MAGRPO ------------------------------------------------------------------------------------
-    num_turns: int = _fixed(1, "Turns per episode (multi-turn needs an external_transition; not yet available).")
+    num_turns: int = _fixed(1, "Turns per episode; > 1 needs the trainer's external_transition.")
+    discount: float = _fixed(0.9, "Gamma for multi-turn returns: G = r + discount * mean(child returns); 1.0 = undiscounted.")
+    termination_threshold: Optional[float] = _fixed(None, "A branch ends early once its joint reward reaches this value (higher is better); None = never.")
     joint_mode: str = _fixed("aligned", "'aligned': completion i of every agent forms joint action i (K per prompt); "
                                         "'cross': every combination (K**num_agents per prompt).")
-    max_joint_actions: int = _fixed(4096, "Refuse settings whose joint actions per prompt group exceed this (cross mode grows as K**N).")
+    max_joint_actions: int = _fixed(4096, "Refuse settings scoring more joint actions per prompt, all turns together (K**N per node in cross mode, J**t nodes at turn t).")
     advantage_mode: str = _fixed("mean", "Baseline: 'mean' (r - group mean), 'raw' (r), 'max' (r - group max), 'rloo'.")
     advantage_normalization: bool = _fixed(False, "Divide advantages by the group's reward std (GRPO's scaling).")
     loss_type: str = _fixed("grpo", "'grpo': mean over a completion's tokens, then over completions; "
@@ -125,11 +127,9 @@ class MAGRPOConfig:
         _check_choice(self, "joint_mode", JOINT_MODES)
         _check_choice(self, "advantage_mode", ADVANTAGE_MODES)
         _check_choice(self, "loss_type", LOSS_TYPES)
-        if self.num_turns > 1:
-            raise ConfigError(
-                f"num_turns={self.num_turns}: multi-turn training (with an external_transition) is not "
-                "available in this version. Set num_turns=1."
-            )
+        _check_float(self, "discount", lambda v: 0 <= v <= 1, "in [0, 1]")
+        if self.termination_threshold is not None:
+            _check_float(self, "termination_threshold", lambda v: True, "(finite)")
         if self.device is not None and not isinstance(self.device, str):
             raise ConfigError(f"device must be a string such as 'cpu' or 'cuda:0', or None; got {self.device!r}.")
         if not isinstance(self.output_dir, str) or not self.output_dir:

@@ -29,6 +29,7 @@ from ...advantages import group_advantages
 from ...exceptions import CheckpointDirError, ConfigError, DataError, ResumeMismatchError, TokenizerError
 from ...fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint, model_fingerprint,
                             tokenizer_fingerprint)
+from ...episode import ExternalTransition, Node, Turn, discounted_returns, tree_size
 from ...joint import cross_combinations, cross_returns, joint_actions_per_group
 from ...logging import JsonlSink, WandbSink, check_wandb_config
 from ...losses import policy_gradient_loss, sequence_log_probs
@@ -84,6 +85,8 @@ class MAGRPOTrainer:
         reward_processor: ``f(float) -> float`` applied to every reward.
         eval_dataset: rows for :meth:`evaluate` (same columns as ``train_dataset``); evaluated every
             ``eval_interval`` optimizer steps during training when that is > 0.
+        external_transition: for ``num_turns > 1``: turns a joint answer into the agents' next
+            prompts (see :class:`comlrl.episode.ExternalTransition` for its keyword arguments).
     """
 
     def __init__(
@@ -99,6 +102,7 @@ class MAGRPOTrainer:
         formatters: Union[Callable[[Mapping[str, Any]], str], Sequence[Callable], None] = None,
         reward_processor: Optional[Callable[[float], float]] = None,
         eval_dataset: Any = None,
+        external_transition: Optional[Callable[..., Sequence[str]]] = None,
     ):
         if args is None:
             args = MAGRPOConfig()
@@ -115,12 +119,22 @@ class MAGRPOTrainer:
             raise ConfigError("reward_func is required: f(completions1, ..., completionsN) -> list of floats.")
         self.reward = RewardFunction(reward_func, self.num_agents, reward_processor)
         self.joint_per_group = joint_actions_per_group(args.joint_mode, args.num_generations, self.num_agents)
-        if self.joint_per_group > args.max_joint_actions:
+        self.nodes_per_prompt, self.joint_per_prompt = tree_size(args.num_turns, self.joint_per_group)
+        if self.joint_per_prompt > args.max_joint_actions:
             raise ConfigError(
-                f"joint_mode={args.joint_mode!r} with num_generations={args.num_generations} and {self.num_agents} "
-                f"agents scores {self.joint_per_group} joint actions per prompt (K**N), above max_joint_actions="
-                f"{args.max_joint_actions}. Lower num_generations, use joint_mode='aligned', or raise max_joint_actions."
+                f"joint_mode={args.joint_mode!r} with num_generations={args.num_generations}, {self.num_agents} agents "
+                f"and num_turns={args.num_turns} scores {self.joint_per_prompt} joint actions per prompt "
+                f"({self.joint_per_group} per node (K**N in cross mode), {self.nodes_per_prompt} nodes), above "
+                f"max_joint_actions={args.max_joint_actions}. Lower num_generations or num_turns, use "
+                "joint_mode='aligned', or raise max_joint_actions."
             )
+        if args.num_turns > 1 and external_transition is None:
+            raise ConfigError(f"num_turns={args.num_turns} needs external_transition=f(agent_completions=..., ...) "
+                              "returning the agents' next prompts; pass one or set num_turns=1.")
+        self.transition = ExternalTransition(external_transition, self.num_agents) \
+            if external_transition is not None else None
+        if self.transition is not None and args.num_turns == 1:
+            logger.warning("comlrl: external_transition is unused with num_turns=1.")
         self.train_rows = self._resolve_dataset(train_dataset, "train_dataset")
         # Every row is formatted now, so a formatter or prompt problem stops the run before it starts.
         self.train_prompts = self._format_all(self.train_rows)
@@ -305,40 +319,91 @@ class MAGRPOTrainer:
     # ------------------------------------------------------------------------------------------
     # phases
     # ------------------------------------------------------------------------------------------
-    def _rollout(self, batch: StepBatch, epoch: int) -> list[Rollout]:
-        """Training samples: seeded by (seed, agent, epoch, example, generation)."""
-        return self._sample(batch, lambda a, idx, g: derive_seed(self.args.seed, "train", a, epoch, idx, g))
+    def _train_seed(self, epoch: int) -> Callable[[int, Node, int], int]:
+        """Training samples: seeded by (seed, agent, epoch, example, generation[, tree path])."""
+        def seed_of(agent: int, node: Node, generation: int) -> int:
+            path = (node.path,) if node.path else ()
+            return derive_seed(self.args.seed, "train", agent, epoch, node.index, generation, *path)
+        return seed_of
 
-    def _sample(self, batch: StepBatch, seed_of: Callable[[int, int, int], int]) -> list[Rollout]:
+    def _eval_seed(self, agent: int, node: Node, generation: int) -> int:
+        path = (node.path,) if node.path else ()
+        return derive_seed(self.args.seed, "eval", agent, node.index, generation, *path)
+
+    def _episode(self, batch: StepBatch, seed_of: Callable[[int, Node, int], int],
+                 timer: Optional[PhaseTimer] = None) -> list[Turn]:
+        """Play every turn of the micro-batch's episodes: rollout, score, transition (no update)."""
+        timer = timer or PhaseTimer()
+        n, joint = self.num_agents, self.joint_per_group
+        nodes = [Node(g, idx, (), [batch.prompts[a][g] for a in range(n)], [[batch.prompts[a][g]] for a in range(n)],
+                      [[] for _ in range(n)]) for g, idx in enumerate(batch.indices)]
+        turns: list[Turn] = []
+        for turn_number in range(1, self.args.num_turns + 1):
+            with timer("rollout"):
+                rollouts = self._sample_nodes(nodes, seed_of)
+            with timer("score"):
+                completions = self._joint_completions(rollouts, len(nodes))
+                rewards = self._score_nodes(nodes, completions, batch, turn_number)
+            turn = Turn(nodes, rollouts, rewards)
+            turns.append(turn)
+            children: list[Node] = []
+            for i, node in enumerate(nodes):
+                for j in range(joint):
+                    r = float(rewards[i * joint + j])
+                    ended = turn_number == self.args.num_turns or (
+                        self.args.termination_threshold is not None and r >= self.args.termination_threshold)
+                    if ended:
+                        turn.children.append(None)
+                        continue
+                    answer = [completions[a][i * joint + j] for a in range(n)]
+                    with timer("transition"):
+                        prompts = self.transition(node, answer, batch.rows[node.group], turn_number)
+                    turn.children.append(len(children))
+                    children.append(Node(node.group, node.index, node.path + (j,), prompts,
+                                         [h + [p] for h, p in zip(node.prompt_history, prompts)],
+                                         [h + [c] for h, c in zip(node.response_history, answer)]))
+            if not children:
+                break
+            nodes = children
+        return turns
+
+    def _sample_nodes(self, nodes: list[Node], seed_of: Callable[[int, Node, int], int]) -> list[Rollout]:
+        """Each agent's K completions for every node, one batched call per agent."""
         k = self.args.num_generations
         outs = []
         for a, (model, tok) in enumerate(zip(self.agents, self.tokenizers)):
-            seeds = [[seed_of(a, idx, g) for g in range(k)] for idx in batch.indices]
-            outs.append(rollout(model, tok, batch.prompts[a], seeds, self.sampling, self.eos_token_ids[a]))
+            seeds = [[seed_of(a, node, g) for g in range(k)] for node in nodes]
+            outs.append(rollout(model, tok, [node.prompts[a] for node in nodes], seeds, self.sampling,
+                                self.eos_token_ids[a]))
         return outs
 
-    def _score(self, batch: StepBatch, rollouts: list[Rollout]) -> torch.Tensor:
-        """``[G * J]`` rewards of every joint action, group-major (J joint actions per group).
+    def _joint_completions(self, rollouts: list[Rollout], num_nodes: int) -> list[list[str]]:
+        """``[N][nodes * J]``: agent a's completion in each joint action, node-major.
 
-        Aligned: joint action k of group g is row g*K+k of every agent. Cross: joint action j of
-        group g combines, for each agent a, row g*K + combos[j, a] (see :mod:`comlrl.joint`).
+        Aligned: joint action k of node i is row i*K+k of every agent. Cross: joint action j of node
+        i combines, for each agent a, row i*K + combos[j, a] (see :mod:`comlrl.joint`).
         """
-        k, per_group = self.args.num_generations, self.joint_per_group
         if self.args.joint_mode == "aligned":
-            completions = [r.texts for r in rollouts]
-        else:
-            combos = cross_combinations(k, self.num_agents)
-            completions = [[ro.texts[g * k + int(c)] for g in range(len(batch.indices)) for c in combos[:, a]]
-                           for a, ro in enumerate(rollouts)]
-        prompts = [r.get("prompt", p) for r, p in zip(batch.rows, batch.prompts[0]) for _ in range(per_group)]
-        items = [row for row in batch.rows for _ in range(per_group)]
+            return [list(r.texts) for r in rollouts]
+        k = self.args.num_generations
+        combos = cross_combinations(k, self.num_agents)
+        return [[ro.texts[i * k + int(c)] for i in range(num_nodes) for c in combos[:, a]]
+                for a, ro in enumerate(rollouts)]
+
+    def _score_nodes(self, nodes: list[Node], completions: list[list[str]], batch: StepBatch, turn: int
+                     ) -> torch.Tensor:
+        """``[nodes * J]`` rewards, one reward call for the whole turn."""
+        per_node = self.joint_per_group
+        prompts = [(batch.rows[node.group].get("prompt", node.prompts[0]) if turn == 1 else node.prompts[0])
+                   for node in nodes for _ in range(per_node)]
+        items = [batch.rows[node.group] for node in nodes for _ in range(per_node)]
         return self.reward(completions, prompts, items)
 
-    def _agent_returns(self, rewards: torch.Tensor, groups: int) -> list[torch.Tensor]:
-        """Each agent's ``[G * K]`` completion returns from the joint-action rewards."""
+    def _agent_returns(self, returns: torch.Tensor, num_nodes: int) -> list[torch.Tensor]:
+        """Each agent's ``[nodes * K]`` completion returns from the joint-action returns."""
         if self.args.joint_mode == "aligned":
-            return [rewards] * self.num_agents
-        per_agent = cross_returns(rewards.reshape(groups, self.joint_per_group), self.args.num_generations,
+            return [returns] * self.num_agents
+        per_agent = cross_returns(returns.reshape(num_nodes, self.joint_per_group), self.args.num_generations,
                                   self.num_agents)
         return list(per_agent)
 
@@ -366,30 +431,37 @@ class MAGRPOTrainer:
         return norms
 
     def _optimizer_step(self, micro_batches: list[list[int]], epoch: int, timer: PhaseTimer) -> dict[str, float]:
-        """Rollout, score, advantage and backward for each micro-batch, then one AdamW step per agent."""
+        """Episodes, returns, advantages and backward for each micro-batch, then one AdamW step per agent."""
         total_groups = sum(len(mb) for mb in micro_batches)
-        rewards, losses, lengths = [], [[] for _ in self.agents], [[] for _ in self.agents]
+        turn_rewards: list[list[torch.Tensor]] = [[] for _ in range(self.args.num_turns)]
+        first_returns, losses, lengths = [], [0.0] * self.num_agents, [[] for _ in self.agents]
         for indices in micro_batches:
             batch = self._make_batch(indices)
-            with timer("rollout"):
-                rollouts = self._rollout(batch, epoch)
-            with timer("score"):
-                returns = self._score(batch, rollouts)
+            turns = self._episode(batch, self._train_seed(epoch), timer)
             with timer("advantage"):
-                advantages = [group_advantages(r, rollouts[0].group_ids.cpu(), self.args.advantage_mode,
-                                               self.args.advantage_normalization)
-                              for r in self._agent_returns(returns, len(indices))]
+                returns = discounted_returns([t.rewards for t in turns], [t.children for t in turns],
+                                             self.joint_per_group, self.args.discount)
+                advantages = [[group_advantages(r, t.rollouts[0].group_ids.cpu(), self.args.advantage_mode,
+                                                self.args.advantage_normalization)
+                               for r in self._agent_returns(g, len(t.nodes))] for t, g in zip(turns, returns)]
+            total_rows = sum(len(t.nodes) for t in turns)
             with timer("update"):
-                for a, ro in enumerate(rollouts):
-                    losses[a].append(self._backward(a, ro, advantages[a], len(indices) / total_groups) * len(indices))
-                    lengths[a].append(ro.lengths.float().cpu())
-            rewards.append(returns)
-            self.state.env_step += len(returns)
+                for t, turn in enumerate(turns):
+                    # Every completion of every turn weighs the same in the micro-batch's loss.
+                    share = len(turn.nodes) / total_rows
+                    for a, ro in enumerate(turn.rollouts):
+                        loss = self._backward(a, ro, advantages[t][a], share * len(indices) / total_groups)
+                        losses[a] += loss * share * len(indices)
+                        lengths[a].append(ro.lengths.float().cpu())
+            for t, turn in enumerate(turns):
+                turn_rewards[t].append(turn.rewards)
+                self.state.env_step += len(turn.rewards)
+            first_returns.append(returns[0])
         learning_rate = self.schedulers[0].get_last_lr()[0]  # the rate this step is taken with
         with timer("update"):
             grad_norms = self._apply_gradients()
         self.state.global_step += 1
-        all_rewards = torch.cat(rewards)
+        all_rewards = torch.cat([r for per_turn in turn_rewards for r in per_turn])
         metrics = {
             "train/reward_mean": float(all_rewards.mean()),
             "train/reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
@@ -397,9 +469,14 @@ class MAGRPOTrainer:
             "train/reward_max": float(all_rewards.max()),
             "train/learning_rate": learning_rate,
         }
+        if self.args.num_turns > 1:
+            metrics["train/return_mean"] = float(torch.cat(first_returns).mean())
+            for t, per_turn in enumerate(turn_rewards):
+                if per_turn:
+                    metrics[f"train/turn_{t + 1}/reward_mean"] = float(torch.cat(per_turn).mean())
         for a in range(self.num_agents):
             agent_lengths = torch.cat(lengths[a])
-            metrics[f"agent_{a}/loss"] = sum(losses[a]) / total_groups
+            metrics[f"agent_{a}/loss"] = losses[a] / total_groups
             metrics[f"agent_{a}/completion_length"] = float(agent_lengths.mean())
             metrics[f"agent_{a}/completion_length_max"] = float(agent_lengths.max())
             metrics[f"agent_{a}/grad_norm"] = grad_norms[a]
@@ -426,23 +503,29 @@ class MAGRPOTrainer:
         count = num_samples if num_samples is not None else self.args.eval_num_samples
         indices = list(range(min(count or len(self.eval_rows), len(self.eval_rows))))
         rng_json, rng_tensors = ckpt.capture_rng_state()
-        rewards, lengths = [], [[] for _ in self.agents]
+        turn_rewards: list[list[torch.Tensor]] = [[] for _ in range(self.args.num_turns)]
+        first_returns, lengths = [], [[] for _ in self.agents]
         try:
             for start in range(0, len(indices), self.args.train_batch_size):
                 batch = self._make_batch(indices[start:start + self.args.train_batch_size], "eval")
-                rollouts = self._sample(batch, lambda a, idx, g: derive_seed(self.args.seed, "eval", a, idx, g))
-                rewards.append(self._score(batch, rollouts))
-                for a, ro in enumerate(rollouts):
-                    lengths[a].append(ro.lengths.float().cpu())
+                turns = self._episode(batch, self._eval_seed)
+                first_returns.append(discounted_returns([t.rewards for t in turns], [t.children for t in turns],
+                                                        self.joint_per_group, self.args.discount)[0])
+                for t, turn in enumerate(turns):
+                    turn_rewards[t].append(turn.rewards)
+                    for a, ro in enumerate(turn.rollouts):
+                        lengths[a].append(ro.lengths.float().cpu())
         finally:
             ckpt.restore_rng_state(rng_json, rng_tensors)
-        all_rewards = torch.cat(rewards)
+        all_rewards = torch.cat([r for per_turn in turn_rewards for r in per_turn])
         metrics = {
             "eval/reward_mean": float(all_rewards.mean()),
             "eval/reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
-            "eval/turn_1/reward_mean": float(all_rewards.mean()),
-            "eval/return_mean": float(all_rewards.mean()),  # one turn: the return is the reward
+            "eval/return_mean": float(torch.cat(first_returns).mean()),
         }
+        for t, per_turn in enumerate(turn_rewards):
+            if per_turn:
+                metrics[f"eval/turn_{t + 1}/reward_mean"] = float(torch.cat(per_turn).mean())
         for a in range(self.num_agents):
             metrics[f"eval/agent_{a}/completion_length"] = float(torch.cat(lengths[a]).mean())
         return metrics
@@ -488,10 +571,11 @@ class MAGRPOTrainer:
         last: dict[str, float] = {}
         steps_per_epoch = self._steps_per_epoch()
         prompts_per_step = self.args.train_batch_size * self.args.gradient_accumulation_steps
-        logger.info("comlrl: %d agents, joint_mode=%s: each optimizer step samples %d completions per agent and "
-                    "scores %d joint actions (%d per prompt); %d steps per epoch.", self.num_agents,
-                    self.args.joint_mode, prompts_per_step * self.args.num_generations,
-                    prompts_per_step * self.joint_per_group, self.joint_per_group, steps_per_epoch)
+        logger.info("comlrl: %d agents, joint_mode=%s, %d turn(s): each optimizer step samples up to %d completions "
+                    "per agent and scores up to %d joint actions (%d per prompt); %d steps per epoch.",
+                    self.num_agents, self.args.joint_mode, self.args.num_turns,
+                    prompts_per_step * self.nodes_per_prompt * self.args.num_generations,
+                    prompts_per_step * self.joint_per_prompt, self.joint_per_prompt, steps_per_epoch)
         progress = _progress(total=total_epochs * steps_per_epoch, initial=self.state.global_step)
         try:
             while self.state.epoch < total_epochs:
@@ -624,6 +708,7 @@ class MAGRPOTrainer:
             "reward_func": callable_fingerprint(self.reward.func),
             "reward_processor": callable_fingerprint(self.reward.processor),
             "formatters": [callable_fingerprint(f) for f in self.formatters],
+            "external_transition": callable_fingerprint(self.transition.func if self.transition else None),
         }
 
     def _save(self, checkpoint_dir, limit: Optional[int]) -> Path:

@@ -1,0 +1,167 @@
+import random
+
+import pytest
+import torch
+
+from comlrl import ConfigError, TransitionError
+from comlrl.episode import ExternalTransition, Node, discounted_returns, tree_size
+
+from helpers import length_ratio_reward
+
+
+def slow_returns(rewards, children, joint, gamma):
+    def value(t, j):
+        child = children[t][j]
+        if child is None:
+            return float(rewards[t][j])
+        kids = [value(t + 1, child * joint + i) for i in range(joint)]
+        return float(rewards[t][j]) + gamma * sum(kids) / len(kids)
+    return [[value(t, j) for j in range(len(rewards[t]))] for t in range(len(rewards))]
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9, 0.0])
+@pytest.mark.parametrize("joint, turns", [(2, 3), (3, 2), (4, 1)])
+def test_discounted_returns_match_recursion(gamma, joint, turns):
+    rng = random.Random(joint * 7 + turns)
+    rewards, children, nodes = [], [], 2
+    for t in range(turns):
+        rewards.append(torch.tensor([rng.uniform(-1, 1) for _ in range(nodes * joint)], dtype=torch.float64))
+        kids, count = [], 0
+        for _ in range(nodes * joint):
+            if t + 1 < turns and rng.random() < 0.7:  # some branches end early
+                kids.append(count)
+                count += 1
+            else:
+                kids.append(None)
+        children.append(kids)
+        nodes = count
+        if nodes == 0:
+            break
+    got = discounted_returns(rewards, children, joint, gamma)
+    want = slow_returns(rewards, children, joint, gamma)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, torch.tensor(w, dtype=torch.float64))
+
+
+def test_tree_size():
+    assert tree_size(1, 4) == (1, 4)
+    assert tree_size(2, 4) == (5, 20)
+    assert tree_size(3, 2) == (7, 14)
+
+
+def _node():
+    return Node(0, 0, (), ["p-a", "p-b"], [["p-a"], ["p-b"]], [[], []])
+
+
+def test_transition_gets_the_coMLRL_keywords_it_declares():
+    seen = {}
+
+    def transition(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+        seen.update(locals())
+        return [f"{prompt} | {c}" for c in agent_completions]
+
+    out = ExternalTransition(transition, 2)(_node(), ["x", "y"], {"prompt": "p"}, 1)
+    assert out == ["p-a | x", "p-a | y"]
+    assert seen["num_agents"] == 2 and seen["prompt_history_per_agent"] == [["p-a"], ["p-b"]]
+    assert seen["response_history_per_agent"] == [["x"], ["y"]]
+    assert ExternalTransition(lambda agent_completions, **kw: ["a", "b"], 2)(_node(), ["x", "y"], {}, 1) == ["a", "b"]
+
+
+@pytest.mark.parametrize("returned, words", [
+    (["only one"], "list of 2 next prompts"),
+    ("a string", "list of 2 next prompts"),
+    (["ok", 3], "non-string or empty prompt for agent 1"),
+    (["", "ok"], "non-string or empty prompt for agent 0"),
+])
+def test_bad_transition_outputs_are_named(returned, words):
+    with pytest.raises(TransitionError, match=words):
+        ExternalTransition(lambda agent_completions: returned, 2)(_node(), ["x", "y"], {}, 1)
+
+
+def test_transition_errors():
+    def broken(agent_completions):
+        raise RuntimeError("no network")
+
+    with pytest.raises(TransitionError, match="broken raised RuntimeError: no network"):
+        ExternalTransition(broken, 2)(_node(), ["x", "y"], {}, 1)
+    with pytest.raises(TransitionError, match="must accept agent_completions"):
+        ExternalTransition(lambda a, b: ["x", "y"], 2)
+
+
+def refine(prompt, agent_completions, turn):
+    return [f"{prompt} Improve: {agent_completions[1][:20]}", f"{prompt} Lengthen: {agent_completions[0][:20]}"]
+
+
+def test_two_turns_need_a_transition(make_trainer):
+    with pytest.raises(ConfigError, match="num_turns=2 needs external_transition"):
+        make_trainer(num_turns=2)
+
+
+def test_two_turn_episode_tree_rewards_and_env_step(make_trainer):
+    calls = []
+
+    def reward(completions1, completions2, prompts):
+        calls.append(list(prompts))
+        return length_ratio_reward(completions1, completions2)
+
+    trainer = make_trainer(num_turns=2, num_train_epochs=1, reward_func=reward,
+                           trainer_kwargs={"external_transition": refine})
+    batch = trainer._make_batch([0])
+    turns = trainer._episode(batch, trainer._train_seed(0))
+    assert [len(t.nodes) for t in turns] == [1, 4] and [len(t.rewards) for t in turns] == [4, 16]
+    assert turns[0].children == [0, 1, 2, 3] and turns[1].children == [None] * 16
+    # turn-2 prompts are what the transition made of each turn-1 joint answer
+    for j, node in enumerate(turns[1].nodes):
+        assert node.path == (j,)
+        assert node.prompts[1].endswith(turns[0].rollouts[0].texts[j][:20])
+        assert node.response_history == [[turns[0].rollouts[0].texts[j]], [turns[0].rollouts[1].texts[j]]]
+    assert calls[-1] == [n.prompts[0] for n in turns[1].nodes for _ in range(4)]
+    trainer.train()
+    assert trainer.state.env_step == 4 * (4 + 16)
+
+
+def test_termination_threshold_ends_branches(make_trainer):
+    trainer = make_trainer(num_turns=2, termination_threshold=0.35, reward_func=length_ratio_reward,
+                           trainer_kwargs={"external_transition": refine})
+    turns = trainer._episode(trainer._make_batch([0]), trainer._train_seed(0))
+    ended = [r >= 0.35 for r in turns[0].rewards.tolist()]
+    assert any(ended) and not all(ended)
+    assert len(turns[1].nodes) == ended.count(False)
+    assert [c is None for c in turns[0].children] == ended
+
+
+def test_discount_is_applied_in_training(make_trainer):
+    trainer = make_trainer(num_turns=2, discount=0.5, trainer_kwargs={"external_transition": refine})
+    turns = trainer._episode(trainer._make_batch([1]), trainer._train_seed(0))
+    returns = discounted_returns([t.rewards for t in turns], [t.children for t in turns], 4, 0.5)
+    child_means = turns[1].rewards.view(4, 4).mean(dim=1)
+    torch.testing.assert_close(returns[0], turns[0].rewards + 0.5 * child_means)
+
+
+def test_multi_turn_resume_is_bit_exact(make_trainer, tmp_path):
+    kwargs = dict(num_turns=2, max_new_tokens=8, trainer_kwargs={"external_transition": refine})
+    full = make_trainer(num_train_epochs=2, **kwargs)
+    full.train(checkpoint_dir=tmp_path / "full")
+    make_trainer(num_train_epochs=1, **kwargs).train(checkpoint_dir=tmp_path / "part")
+    resumed = make_trainer(num_train_epochs=2, **kwargs)
+    resumed.train(resume_from_checkpoint=tmp_path / "part" / "checkpoint-1", checkpoint_dir=tmp_path / "part")
+    for a, b in zip(full.agents, resumed.agents):
+        assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_a_failing_transition_stops_before_any_update(make_trainer):
+    def flaky(agent_completions):
+        raise ValueError("bad state")
+
+    trainer = make_trainer(num_turns=2, trainer_kwargs={"external_transition": flaky})
+    before = [p.detach().clone() for m in trainer.agents for p in m.parameters()]
+    with pytest.raises(TransitionError, match="bad state"):
+        trainer.train()
+    assert all(torch.equal(a, p) for a, p in zip(before, (p for m in trainer.agents for p in m.parameters())))
+
+
+def test_cross_mode_two_turns(make_trainer):
+    trainer = make_trainer(num_turns=2, joint_mode="cross", num_generations=2, num_train_epochs=1,
+                           trainer_kwargs={"external_transition": refine})
+    trainer.train()
+    assert trainer.state.env_step == 4 * (4 + 16)  # J = K**N = 4 joint actions per node, 1 + 4 nodes
