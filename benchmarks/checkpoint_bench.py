@@ -20,10 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from comlrl import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 from comlrl import checkpoint as ckpt  # noqa: E402
 from comlrl.testing import tiny_model_dir  # noqa: E402
-
-PROMPTS = ["Describe a city in the clouds:", "Invent a new holiday and explain it:",
-           "Write a bedtime story for a dragon:", "Design a playground on Mars:"]
-
+from peers.common import PROMPTS, reward  # noqa: E402  (benchmarks/ is on sys.path: scripts run from here)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -36,7 +33,7 @@ def main() -> None:
         trainer = MAGRPOTrainer(
             agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],
             tokenizer=AutoTokenizer.from_pretrained(path),
-            reward_func=lambda a, b: [len(y) / max(len(x), 1) for x, y in zip(a, b)],
+            reward_func=reward,
             train_dataset=[{"prompt": p} for p in PROMPTS],
             args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=8, agent_learning_rate=1e-3, output_dir=tmp),
         )

@@ -20,20 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from comlrl import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 from comlrl.testing import tiny_model_dir  # noqa: E402
-
-PROMPTS = ["Describe a city in the clouds:", "Invent a new holiday and explain it:",
-           "Write a bedtime story for a dragon:", "Design a playground on Mars:"]
-
-
-def reward(completions1, completions2):
-    import math
-
-    out = []
-    for first, second in zip(completions1, completions2):
-        ratio = len(second) / max(len(first), 1)
-        out.append(math.exp(-(0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3)))))
-    return out
-
+from peers.common import PROMPTS, reward  # noqa: E402  (benchmarks/ is on sys.path: scripts run from here)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -89,6 +89,19 @@ def build_tiny_model(kind: str = "qwen2", vocab_size: int = 512, hidden_size: in
     return model
 
 
+def _save_model_dir(model, tokenizer, target: Path) -> Path:
+    """Save into a hidden sibling, then rename into place (parallel builders cannot collide)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process built it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
 def tiny_model_dir(kind: str = "qwen2", vocab_size: int = 512, hidden_size: int = 64, num_layers: int = 2,
                    seed: int = 0, cache_dir: Optional[str | os.PathLike] = None, pad_token: Optional[str] = EOS) -> Path:
     """Path of a saved tiny model + tokenizer directory, building it on first use."""
@@ -100,15 +113,7 @@ def tiny_model_dir(kind: str = "qwen2", vocab_size: int = 512, hidden_size: int 
     tokenizer = build_tiny_tokenizer(vocab_size, pad_token=pad_token)
     model = build_tiny_model(kind, len(tokenizer), hidden_size, num_layers, seed,
                              eos_token_id=tokenizer.convert_tokens_to_ids(EOS))
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{name}.{uuid.uuid4().hex[:8]}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process built it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return _save_model_dir(model, tokenizer, target)
 
 
 # --- a tiny model with the real Qwen2 / Qwen2.5 vocabulary ------------------------------------------
@@ -181,12 +186,4 @@ def qwen_vocab_model_dir(hidden_size: int = 64, num_layers: int = 2, seed: int =
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens).")
     model = build_tiny_model("qwen2", rows, hidden_size, num_layers, seed,
                              eos_token_id=tokenizer.convert_tokens_to_ids(EOS))
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{name}.{uuid.uuid4().hex[:8]}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.rename(tmp, target)
-    except OSError:  # another process built it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return _save_model_dir(model, tokenizer, target)

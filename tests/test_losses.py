@@ -9,14 +9,6 @@ import torch
 from comlrl.losses import completion_mask, policy_gradient_loss, selected_log_probs, sequence_log_probs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and thrash on a busy 2-core machine)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 # --------------------------------------------------------------------------------------------
 # completion_mask
 # --------------------------------------------------------------------------------------------

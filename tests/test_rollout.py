@@ -15,14 +15,6 @@ from comlrl.losses import completion_mask
 from comlrl.rollout import SamplingParams, derive_seed, generate, rollout, row_uniforms, sample_tokens
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: intra-op threads only add overhead (and thrash on a busy 2-core machine)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
 # --------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------
