@@ -191,17 +191,19 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torc
 
 
 def rollout(model: torch.nn.Module, tokenizer, prompts: Sequence[str], seeds: Sequence[Sequence[int]],
-            params: SamplingParams, eos_token_ids: Sequence[int]) -> Rollout:
+            params: SamplingParams, eos_token_ids: Sequence[int], add_special_tokens: bool = True) -> Rollout:
     """Sample ``K = len(seeds[g])`` completions for each prompt ``g`` in one batched call.
 
     Args:
         prompts: G prompt strings.
         seeds: ``[G][K]`` per-completion seeds (see :func:`derive_seed`).
+        add_special_tokens: False for prompts rendered by a chat template.
     Returns:
         A :class:`Rollout` with ``R = G * K`` rows, prompt-major.
     """
     device = next(model.parameters()).device
-    encoded = tokenizer(list(prompts), add_special_tokens=True)["input_ids"]
+    # Prompts rendered by a chat template already carry their special tokens (BOS, role markers).
+    encoded = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
     group_size = len(seeds[0])
     rows = [ids for ids in encoded for _ in range(group_size)]
     prompt_ids, prompt_mask = left_pad(rows, tokenizer.pad_token_id, device)

@@ -190,7 +190,7 @@ def test_empty_dataset_and_missing_prompt_column(make_trainer):
         make_trainer(dataset=[])
     with pytest.raises(DataError, match="no 'prompt' column"):
         make_trainer(dataset=[{"question": "why?"}])
-    with pytest.raises(DataError, match="not a string"):
+    with pytest.raises(DataError, match="neither a string nor chat messages"):
         make_trainer(dataset=[{"prompt": 42}])
     # a formatter makes a prompt out of any column
     trainer = make_trainer(dataset=[{"question": "why?"}], trainer_kwargs={"formatters": lambda row: row["question"]})
@@ -289,3 +289,40 @@ def test_loss_uses_the_sampling_policy_even_with_dropout(tmp_path):
     ro = trainer._episode(batch, trainer._train_seed(0))[0].rollouts[0]
     adv = torch.linspace(-1, 1, len(ro.texts))
     assert trainer._backward(0, ro, adv, 1.0) == trainer._backward(0, ro, adv, 1.0)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_chat_messages_are_rendered_with_each_agents_template(model_path, tmp_path):
+    chat_tok, plain_tok = build_tiny_tokenizer(), build_tiny_tokenizer()
+    chat_tok.chat_template = CHAT_TEMPLATE
+    rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a city."}]}]
+    trainer = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path)], tokenizer=chat_tok,
+                            reward_func=lambda c: [float(len(x)) for x in c], train_dataset=rows,
+                            args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=4, output_dir=str(tmp_path)))
+    assert trainer.train_prompts[0] == ["<|system|>Be brief.\n<|user|>Name a city.\n<|assistant|>"]
+    trainer.train()
+    with pytest.raises(TokenizerError, match="no chat_template"):
+        MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path)], tokenizer=plain_tok,
+                      reward_func=lambda c: [0.0] * len(c), train_dataset=rows, args=MAGRPOConfig(output_dir=str(tmp_path)))
+    with pytest.raises(DataError, match="plain-string prompts for some rows and chat messages"):
+        MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path)], tokenizer=chat_tok,
+                      reward_func=lambda c: [0.0] * len(c), train_dataset=rows + [{"prompt": "plain"}],
+                      args=MAGRPOConfig(output_dir=str(tmp_path)))
+
+
+def test_formatters_per_agent_mix_chat_and_plain(model_path, tmp_path):
+    chat_tok = build_tiny_tokenizer()
+    chat_tok.chat_template = CHAT_TEMPLATE
+    plain_tok = build_tiny_tokenizer()
+    trainer = MAGRPOTrainer(
+        agents=[AutoModelForCausalLM.from_pretrained(model_path) for _ in range(2)], tokenizer=[chat_tok, plain_tok],
+        reward_func=length_ratio_reward, train_dataset=[{"topic": "rain"}],
+        formatters=[lambda r: [{"role": "user", "content": f"Write about {r['topic']}."}],
+                    lambda r: f"Critique a text about {r['topic']}:"],
+        args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=4, output_dir=str(tmp_path)))
+    assert trainer.train_prompts == [["<|user|>Write about rain.\n<|assistant|>"], ["Critique a text about rain:"]]
+    assert trainer.chat_agents == [True, False]
+    trainer.train()

@@ -135,6 +135,7 @@ class MAGRPOTrainer:
             if external_transition is not None else None
         if self.transition is not None and args.num_turns == 1:
             logger.warning("comlrl: external_transition is unused with num_turns=1.")
+        self.chat_agents: list[Optional[bool]] = [None] * self.num_agents  # prompts are chat messages
         self.train_rows = self._resolve_dataset(train_dataset, "train_dataset")
         # Every row is formatted now, so a formatter or prompt problem stops the run before it starts.
         self.train_prompts = self._format_all(self.train_rows)
@@ -266,18 +267,44 @@ class MAGRPOTrainer:
         return rows
 
     def _format_all(self, rows: list[dict[str, Any]]) -> list[list[str]]:
-        """``[num_agents][len(rows)]`` prompts."""
-        return [[self._format(a, row, i) for i, row in enumerate(rows)] for a in range(self.num_agents)]
+        """``[num_agents][len(rows)]`` prompt strings (chat prompts rendered by the agent's template)."""
+        prompts = [[self._format(a, row, i) for i, row in enumerate(rows)] for a in range(self.num_agents)]
+        for a in range(self.num_agents):
+            kinds = {isinstance(p, list) for p in prompts[a]}
+            if len(kinds) > 1:
+                raise DataError(f"agent {a} gets plain-string prompts for some rows and chat messages "
+                                "for others; use one form for the whole dataset.")
+            chat = kinds == {True}
+            if self.chat_agents[a] is not None and self.chat_agents[a] != chat:
+                raise DataError(f"eval_dataset and train_dataset give agent {a} prompts of different forms "
+                                "(chat messages vs plain strings); use one form for both.")
+            self.chat_agents[a] = chat
+            if chat:
+                prompts[a] = [self._render_chat(a, p) for p in prompts[a]]
+        return prompts
 
-    def _format(self, agent: int, row: Mapping[str, Any], index: int) -> str:
+    def _render_chat(self, agent: int, messages: list[dict[str, Any]]) -> str:
+        """Apply the agent's chat template, ending with the assistant's turn."""
+        tokenizer = self.tokenizers[agent]
+        if not getattr(tokenizer, "chat_template", None):
+            raise TokenizerError(f"the prompts of agent {agent} are chat messages but its tokenizer has no "
+                                 "chat_template; pass plain-string prompts or a tokenizer with a chat template.")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _format(self, agent: int, row: Mapping[str, Any], index: int) -> Union[str, list[dict[str, Any]]]:
+        """A row's prompt for ``agent``: a string, or chat messages ``[{"role", "content"}, ...]``."""
         formatter = self.formatters[agent]
         try:
             prompt = row["prompt"] if formatter is None else formatter(row)
         except Exception as exc:
             raise DataError(f"formatter of agent {agent} failed on dataset row {index}: {type(exc).__name__}: {exc}") from exc
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt):
+            return [dict(m) for m in prompt]
         if not isinstance(prompt, str):
             raise DataError(f"the prompt of agent {agent} for dataset row {index} is a {type(prompt).__name__}, "
-                            f"not a string: {prompt!r:.80}. " +
+                            f"neither a string nor chat messages [{{'role': ..., 'content': ...}}]: {prompt!r:.80}. " +
                             ("Fix the 'prompt' column." if formatter is None else "Make the formatter return str."))
         if not prompt:
             raise DataError(f"the prompt of agent {agent} for dataset row {index} is empty; every prompt needs text.")
@@ -358,6 +385,9 @@ class MAGRPOTrainer:
                     answer = [completions[a][i * joint + j] for a in range(n)]
                     with timer("transition"):
                         prompts = self.transition(node, answer, batch.rows[node.group], turn_number)
+                        # Chat agents get the transition's text as their next user message.
+                        prompts = [self._render_chat(a, [{"role": "user", "content": p}]) if self.chat_agents[a]
+                                   else p for a, p in enumerate(prompts)]
                     turn.children.append(len(children))
                     children.append(Node(node.group, node.index, node.path + (j,), prompts,
                                          [h + [p] for h, p in zip(node.prompt_history, prompts)],
@@ -374,7 +404,7 @@ class MAGRPOTrainer:
         for a, (model, tok) in enumerate(zip(self.agents, self.tokenizers)):
             seeds = [[seed_of(a, node, g) for g in range(k)] for node in nodes]
             outs.append(rollout(model, tok, [node.prompts[a] for node in nodes], seeds, self.sampling,
-                                self.eos_token_ids[a]))
+                                self.eos_token_ids[a], add_special_tokens=not self.chat_agents[a]))
         return outs
 
     def _joint_completions(self, rollouts: list[Rollout], num_nodes: int) -> list[list[str]]:
