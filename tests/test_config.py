@@ -86,3 +86,16 @@ def test_only_the_documented_fields_may_change_on_resume():
 def test_round_trip_through_dict():
     cfg = MAGRPOConfig(top_k=5, temperature=0.7)
     assert MAGRPOConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_named_variants_fix_the_baseline():
+    from comlrl.trainers.reinforce import MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
+
+    assert MAREINFORCEConfig().advantage_mode == "raw"
+    assert MARLOOConfig(num_generations=3).advantage_mode == "rloo"
+    assert MAReMaxConfig().advantage_mode == "max"
+    assert isinstance(MARLOOConfig(), MAGRPOConfig)
+    with pytest.raises(ConfigError, match="MARLOOConfig has no field 'lr'"):
+        MARLOOConfig(lr=1e-3)
+    with pytest.raises(ConfigError, match="num_generations"):
+        MAReMaxConfig(num_generations=1)

@@ -326,3 +326,16 @@ def test_formatters_per_agent_mix_chat_and_plain(model_path, tmp_path):
     assert trainer.train_prompts == [["<|user|>Write about rain.\n<|assistant|>"], ["Critique a text about rain:"]]
     assert trainer.chat_agents == [True, False]
     trainer.train()
+
+
+def test_named_variant_trainers(model_path, tokenizer, tmp_path):
+    from comlrl.trainers.reinforce import MARLOOConfig, MARLOOTrainer
+
+    common = dict(agent_model=str(model_path), tokenizer=tokenizer, reward_func=length_ratio_reward,
+                  train_dataset=[{"prompt": "hi"}])
+    trainer = MARLOOTrainer(**common, args=MARLOOConfig(num_train_epochs=1, max_new_tokens=4, output_dir=str(tmp_path)))
+    assert trainer.args.advantage_mode == "rloo"
+    trainer.train()
+    assert MARLOOTrainer(**common).args.advantage_mode == "rloo"
+    with pytest.raises(ConfigError, match="MARLOOTrainer trains with advantage_mode='rloo'"):
+        MARLOOTrainer(**common, args=MAGRPOConfig())

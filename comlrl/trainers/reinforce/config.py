@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 from ...exceptions import ConfigError
 
-__all__ = ["MAGRPOConfig", "RESUMABLE_FIELDS"]
+__all__ = ["MAGRPOConfig", "MAREINFORCEConfig", "MARLOOConfig", "MAReMaxConfig", "RESUMABLE_FIELDS"]
 
 ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 JOINT_MODES = ("aligned", "cross")
@@ -169,9 +169,10 @@ def _check_choice(cfg: MAGRPOConfig, name: str, choices: tuple[str, ...]) -> Non
         raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
 
 
-def _reject_unknown_fields(init):
-    """Wrap the dataclass __init__ so a misspelt field names the closest real one."""
-    names = [f.name for f in dataclasses.fields(MAGRPOConfig)]
+def _reject_unknown_fields(cls):
+    """Wrap a config's dataclass __init__ so a misspelt field names the closest real one."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    init = cls.__init__
 
     @functools.wraps(init)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -181,12 +182,36 @@ def _reject_unknown_fields(init):
             for key in unknown:
                 guess = _ALIASES.get(key) or next(iter(difflib.get_close_matches(key, names, n=1)), None)
                 hints.append(f"{key!r}" + (f" (did you mean {guess!r}?)" if guess else ""))
-            raise ConfigError(
-                f"MAGRPOConfig has no field {', '.join(hints)}. Known fields: {', '.join(names)}."
-            )
+            raise ConfigError(f"{cls.__name__} has no field {', '.join(hints)}. Known fields: {', '.join(names)}.")
         init(self, *args, **kwargs)
 
-    return __init__
+    cls.__init__ = __init__
+    return cls
 
 
-MAGRPOConfig.__init__ = _reject_unknown_fields(MAGRPOConfig.__init__)  # type: ignore[method-assign]
+_reject_unknown_fields(MAGRPOConfig)
+
+
+# Named variants: MAGRPO with another baseline (see comlrl.advantages.group_advantages).
+@_reject_unknown_fields
+@dataclass(frozen=True)
+class MAREINFORCEConfig(MAGRPOConfig):
+    """MAGRPO without a baseline: the advantage is the raw return (multi-agent REINFORCE)."""
+
+    advantage_mode: str = _fixed("raw", "Baseline: 'raw' (no baseline) for MAREINFORCE.")
+
+
+@_reject_unknown_fields
+@dataclass(frozen=True)
+class MARLOOConfig(MAGRPOConfig):
+    """MAGRPO with the leave-one-out baseline: the mean return of the group's other samples."""
+
+    advantage_mode: str = _fixed("rloo", "Baseline: 'rloo' (mean of the other samples) for MARLOO.")
+
+
+@_reject_unknown_fields
+@dataclass(frozen=True)
+class MAReMaxConfig(MAGRPOConfig):
+    """MAGRPO with the group's best return as baseline (ReMax-style)."""
+
+    advantage_mode: str = _fixed("max", "Baseline: 'max' (the group's best return) for MAReMax.")

@@ -37,11 +37,11 @@ from ...rewards import RewardFunction
 from ...rollout import Rollout, SamplingParams, derive_seed, rollout
 from ...timing import PhaseTimer
 from ...utils import set_seed
-from .config import RESUMABLE_FIELDS, MAGRPOConfig
+from .config import RESUMABLE_FIELDS, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 
 logger = logging.getLogger("comlrl")
 
-__all__ = ["MAGRPOTrainer"]
+__all__ = ["MAGRPOTrainer", "MAREINFORCETrainer", "MARLOOTrainer", "MAReMaxTrainer"]
 
 
 @dataclass
@@ -89,6 +89,9 @@ class MAGRPOTrainer:
             prompts (see :class:`comlrl.episode.ExternalTransition` for its keyword arguments).
     """
 
+    config_class: type[MAGRPOConfig] = MAGRPOConfig
+    advantage_mode: Optional[str] = None  # fixed by the named variants below
+
     def __init__(
         self,
         agent_model: Union[str, os.PathLike, torch.nn.Module, None] = None,
@@ -105,9 +108,13 @@ class MAGRPOTrainer:
         external_transition: Optional[Callable[..., Sequence[str]]] = None,
     ):
         if args is None:
-            args = MAGRPOConfig()
+            args = self.config_class()
         if not isinstance(args, MAGRPOConfig):
             raise ConfigError(f"args must be a MAGRPOConfig, got {type(args).__name__}.")
+        if self.advantage_mode is not None and args.advantage_mode != self.advantage_mode:
+            raise ConfigError(f"{type(self).__name__} trains with advantage_mode={self.advantage_mode!r} (use "
+                              f"{self.config_class.__name__}); got {args.advantage_mode!r}. Use MAGRPOTrainer for "
+                              "other baselines.")
         self.args = args
         self.wandb_config = check_wandb_config(wandb_config)
         self.agents, tokenizer = self._resolve_agents(agent_model, agents, num_agents, tokenizer)
@@ -777,6 +784,24 @@ class MAGRPOTrainer:
         self.wandb_identity = loaded.get("wandb")
         logger.info("comlrl: resumed %s at epoch %d, env_step %d", path, self.state.epoch, self.state.env_step)
         return path
+
+
+class MAREINFORCETrainer(MAGRPOTrainer):
+    """MAGRPO without a baseline (advantage = return)."""
+
+    config_class, advantage_mode = MAREINFORCEConfig, "raw"
+
+
+class MARLOOTrainer(MAGRPOTrainer):
+    """MAGRPO with the leave-one-out baseline."""
+
+    config_class, advantage_mode = MARLOOConfig, "rloo"
+
+
+class MAReMaxTrainer(MAGRPOTrainer):
+    """MAGRPO with the group-max baseline."""
+
+    config_class, advantage_mode = MAReMaxConfig, "max"
 
 
 def _version() -> str:
