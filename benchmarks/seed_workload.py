@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--train-batch-size", type=int, default=1)
+    parser.add_argument("--num-turns", type=int, default=1)
+    parser.add_argument("--joint-mode", default="aligned", choices=["aligned", "cross"])
     args = parser.parse_args()
     path = tiny_model_dir(hidden_size=args.hidden, num_layers=args.layers)
     with tempfile.TemporaryDirectory() as tmp:
@@ -36,9 +38,12 @@ def main() -> None:
             agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],
             tokenizer=AutoTokenizer.from_pretrained(path), reward_func=reward,
             train_dataset=[{"prompt": p} for p in PROMPTS],
-            args=MAGRPOConfig(num_turns=1, num_train_epochs=args.epochs, num_generations=4,
+            args=MAGRPOConfig(num_train_epochs=args.epochs, num_generations=4,
                               max_new_tokens=args.max_new_tokens, logging_steps=1,
-                              train_batch_size=args.train_batch_size, output_dir=tmp),
+                              train_batch_size=args.train_batch_size, num_turns=args.num_turns,
+                              joint_mode=args.joint_mode, output_dir=tmp),
+            external_transition=(lambda prompt, agent_completions: [f"{prompt} {c[:40]}" for c in agent_completions])
+            if args.num_turns > 1 else None,
         )
         start = time.perf_counter()
         trainer.train(checkpoint_dir=Path(tmp) / "ckpt", checkpoint_interval=1)
@@ -49,12 +54,16 @@ def main() -> None:
         for key, value in row.items():
             if key.startswith("timing/"):
                 phases[key[7:]] = phases.get(key[7:], 0.0) + value
-    tokens = sum(row[f"agent_{a}/completion_length"] * 4 * args.train_batch_size for row in rows for a in range(2))
+    rows_per_step = args.train_batch_size * trainer.nodes_per_prompt * 4
+    tokens = sum(row[f"agent_{a}/completion_length"] * rows_per_step for row in rows for a in range(2))
     env_steps = rows[-1]["env_step"]
     print(f"seed workload: 2 x Qwen2 hidden {args.hidden}, {args.layers} layers, vocab 512; "
           f"{len(PROMPTS)} prompts x 4 generations, {args.max_new_tokens} new tokens, "
-          f"train_batch_size {args.train_batch_size}, {args.epochs} epochs")
-    print(f"seconds per epoch: {elapsed / args.epochs:.3f}")
+          f"train_batch_size {args.train_batch_size}, {args.epochs} epochs, num_turns {args.num_turns}, "
+          f"joint_mode {args.joint_mode} ({trainer.nodes_per_prompt} nodes, {trainer.joint_per_prompt} joint actions "
+          f"per prompt)")
+    print(f"seconds per epoch: {elapsed / args.epochs:.3f}    seconds per optimizer step: "
+          f"{elapsed / rows[-1]['global_step']:.3f}")
     print(f"env_steps/s: {env_steps / elapsed:.1f}    generated tokens/s: {tokens / elapsed:.0f}")
     print("time per phase (s/epoch): " + ", ".join(f"{k} {v / args.epochs:.3f}" for k, v in sorted(phases.items())))
     print(f"peak memory (max RSS): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
