@@ -339,3 +339,16 @@ def test_named_variant_trainers(model_path, tokenizer, tmp_path):
     assert MARLOOTrainer(**common).args.advantage_mode == "rloo"
     with pytest.raises(ConfigError, match="MARLOOTrainer trains with advantage_mode='rloo'"):
         MARLOOTrainer(**common, args=MAGRPOConfig())
+
+
+def test_save_model_writes_loadable_transformers_directories(make_trainer, tmp_path):
+    trainer = make_trainer(num_train_epochs=1)
+    trainer.train()
+    out = trainer.save_model(tmp_path / "final")
+    for i, agent in enumerate(trainer.agents):
+        loaded = AutoModelForCausalLM.from_pretrained(out / f"agent_{i}")
+        assert all(torch.equal(a, b) for a, b in zip(agent.state_dict().values(), loaded.state_dict().values()))
+        assert len(AutoTokenizer.from_pretrained(out / f"agent_{i}")) == len(trainer.tokenizers[i])
+    (out / "marker").write_text("old")
+    trainer.save_model(out)  # replaces the previous save as a whole
+    assert not (out / "marker").exists() and not list(tmp_path.glob(".*final*"))

@@ -680,6 +680,36 @@ class MAGRPOTrainer:
         return row
 
     # ------------------------------------------------------------------------------------------
+    # saving for use
+    # ------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: Union[str, os.PathLike]) -> Path:
+        """Write every agent as a standard transformers directory, ``output_dir/agent_i``.
+
+        Each holds the model (``save_pretrained``: config + safetensors, or the adapter of a PEFT
+        model) and its tokenizer, so ``AutoModelForCausalLM.from_pretrained(output_dir / "agent_0")``
+        loads it back. The whole directory is written to a hidden sibling and renamed into place:
+        an interrupted save leaves the previous ``output_dir`` (if any) untouched.
+        """
+        target = Path(output_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            for i, (model, tokenizer) in enumerate(zip(self.agents, self.tokenizers)):
+                model.save_pretrained(tmp / f"agent_{i}")
+                tokenizer.save_pretrained(tmp / f"agent_{i}")
+            if target.exists():
+                old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+                os.rename(target, old)
+                os.rename(tmp, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
+
+    # ------------------------------------------------------------------------------------------
     # W&B
     # ------------------------------------------------------------------------------------------
     def _open_wandb(self, resumed: bool) -> Optional[WandbSink]:
