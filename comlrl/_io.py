@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write_text", "fsync_dir"]
+__all__ = ["atomic_write_text", "fsync_dir", "fsync_tree"]
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -21,6 +21,18 @@ def fsync_dir(path: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike) -> None:
+    """fsync every file below ``root``, then every directory (deepest first), then ``root``."""
+    root = Path(root)
+    for path in sorted(root.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+        else:
+            fsync_dir(path)
+    fsync_dir(root)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from .exceptions import CheckpointError
-from ._io import fsync_dir
+from ._io import fsync_dir, fsync_tree
 
 __all__ = [
     "FORMAT_VERSION",
@@ -196,11 +196,6 @@ def _join_optimizer_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]
 
 # --- save / load ---------------------------------------------------------------------------------
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
-
-
 def save_checkpoint(directory: str | os.PathLike, number: int, models: Sequence[torch.nn.Module],
                     optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any],
                     state: dict[str, Any]) -> Path:
@@ -231,17 +226,14 @@ def save_checkpoint(directory: str | os.PathLike, number: int, models: Sequence[
             record["optimizers"].append(meta)
         record["schedulers"] = [s.state_dict() for s in schedulers]
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        record["files"] = {}
-        for f in files:
-            _fsync_file(f)
-            record["files"][f.relative_to(tmp).as_posix()] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        record["files"] = {f.relative_to(tmp).as_posix(): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+                           for f in files}
         state_file = tmp / STATE_FILE
         with open(state_file, "w", encoding="utf-8") as handle:
             json.dump(record, handle, indent=1, sort_keys=True)
             handle.flush()
             os.fsync(handle.fileno())
-        for sub in [p for p in tmp.rglob("*") if p.is_dir()] + [tmp]:
-            fsync_dir(sub)
+        fsync_tree(tmp)
         if final.exists():
             # Re-saving a number (resumed from an older checkpoint): swap, then drop the old copy.
             old = directory / f".old-{final.name}-{uuid.uuid4().hex[:8]}"

@@ -7,7 +7,8 @@ every joint action that is not the last turn and has not ended early, the user's
 next turn. So turn t has up to J**(t-1) nodes per prompt, J joint actions per node.
 
 The return of a joint action is its reward plus ``discount`` times the mean return of its child
-node's joint actions (no child: just the reward). A completion's return is that of its joint action
+node's joint actions. A branch that ended early keeps its reward for the turns it skips (an
+absorbing state), so finishing early is never worth less than finishing late. A completion's return is that of its joint action
 (aligned) or the mean over the joint actions it took part in (cross); its advantage compares it
 with the other K completions of its agent at the same node (the node is the group).
 """
@@ -32,8 +33,8 @@ class Node:
     group: int                         # position of the episode's prompt in the micro-batch
     index: int                         # dataset row of the episode
     path: tuple[int, ...]              # joint-action indices from the root ( () at turn 1 )
-    prompts: list[str]                 # [N] this turn's prompt of each agent
-    prompt_history: list[list[str]]    # [N][t] prompts so far on this branch, this one included
+    prompts: list[Any]                 # [N] this turn's prompt of each agent (text, or chat messages)
+    prompt_history: list[list[Any]]    # [N][t] prompts so far on this branch, this one included
     response_history: list[list[str]]  # [N][t-1] completions so far on this branch
 
 
@@ -54,7 +55,7 @@ def tree_size(num_turns: int, joint_per_node: int) -> tuple[int, int]:
 
 
 def discounted_returns(rewards: Sequence[torch.Tensor], children: Sequence[Sequence[Optional[int]]],
-                       joint_per_node: int, discount: float) -> list[torch.Tensor]:
+                       joint_per_node: int, discount: float, num_turns: Optional[int] = None) -> list[torch.Tensor]:
     """Return of every joint action of every turn.
 
     Args:
@@ -62,18 +63,25 @@ def discounted_returns(rewards: Sequence[torch.Tensor], children: Sequence[Seque
         children: per turn, per joint action, the index of its child node in the next turn (None
             if the branch ended: last turn or early termination).
         discount: gamma; 1.0 = undiscounted.
+        num_turns: the episode length T (default: ``len(rewards)``).
     Returns:
-        per turn ``[nodes_t * J]`` float64 returns:
-        ``G = r + discount * mean(G of the child node's J joint actions)``.
+        per turn ``[nodes_t * J]`` float64 returns. A continuing joint action gets
+        ``G = r + discount * mean(G of the child node's J joint actions)``. A branch that ended early
+        at turn t (0-based) is an absorbing state that keeps its reward for the turns it skips:
+        ``G = r * (1 + discount + ... + discount**(T-1-t))``, so solving a task early never
+        returns less than solving it late.
     """
+    turns_total = len(rewards) if num_turns is None else num_turns
     returns: list[torch.Tensor] = [torch.empty(0)] * len(rewards)
     for t in reversed(range(len(rewards))):
-        g = rewards[t].to(torch.float64).clone()
-        if t + 1 < len(rewards):
-            child_means = returns[t + 1].reshape(-1, joint_per_node).mean(dim=1) if len(returns[t + 1]) else None
+        r = rewards[t].to(torch.float64)
+        horizon = sum(discount ** i for i in range(turns_total - t))  # r counted for the skipped turns too
+        g = r * horizon
+        if t + 1 < len(rewards) and len(returns[t + 1]):
+            child_means = returns[t + 1].reshape(-1, joint_per_node).mean(dim=1)
             for j, child in enumerate(children[t]):
                 if child is not None:
-                    g[j] = g[j] + discount * child_means[child]
+                    g[j] = r[j] + discount * child_means[child]
         returns[t] = g
     return returns
 

@@ -9,11 +9,11 @@ from comlrl.episode import ExternalTransition, Node, discounted_returns, tree_si
 from helpers import length_ratio_reward
 
 
-def slow_returns(rewards, children, joint, gamma):
+def slow_returns(rewards, children, joint, gamma, turns):
     def value(t, j):
         child = children[t][j]
-        if child is None:
-            return float(rewards[t][j])
+        if child is None:  # ended: the reward stands for every remaining turn (absorbing state)
+            return float(rewards[t][j]) * sum(gamma ** i for i in range(turns - t))
         kids = [value(t + 1, child * joint + i) for i in range(joint)]
         return float(rewards[t][j]) + gamma * sum(kids) / len(kids)
     return [[value(t, j) for j in range(len(rewards[t]))] for t in range(len(rewards))]
@@ -37,10 +37,17 @@ def test_discounted_returns_match_recursion(gamma, joint, turns):
         nodes = count
         if nodes == 0:
             break
-    got = discounted_returns(rewards, children, joint, gamma)
-    want = slow_returns(rewards, children, joint, gamma)
+    got = discounted_returns(rewards, children, joint, gamma, turns)
+    want = slow_returns(rewards, children, joint, gamma, turns)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, torch.tensor(w, dtype=torch.float64))
+
+
+def test_ending_early_is_never_worth_less_than_finishing_late():
+    # Solve at turn 1 (r=1, branch ends) vs 0.5 then a solve at turn 2, with gamma 0.9.
+    early = discounted_returns([torch.tensor([1.0])], [[None]], 1, 0.9, num_turns=2)[0]
+    late = discounted_returns([torch.tensor([0.5]), torch.tensor([1.0])], [[0], [None]], 1, 0.9, num_turns=2)[0]
+    assert float(early) == pytest.approx(1.9) and float(late) == pytest.approx(1.4) and early > late
 
 
 def test_tree_size():
@@ -133,7 +140,7 @@ def test_termination_threshold_ends_branches(make_trainer):
 def test_discount_is_applied_in_training(make_trainer):
     trainer = make_trainer(num_turns=2, discount=0.5, trainer_kwargs={"external_transition": refine})
     turns = trainer._episode(trainer._make_batch([1]), trainer._train_seed(0))
-    returns = discounted_returns([t.rewards for t in turns], [t.children for t in turns], 4, 0.5)
+    returns = discounted_returns([t.rewards for t in turns], [t.children for t in turns], 4, 0.5, 2)
     child_means = turns[1].rewards.view(4, 4).mean(dim=1)
     torch.testing.assert_close(returns[0], turns[0].rewards + 0.5 * child_means)
 
@@ -165,3 +172,27 @@ def test_cross_mode_two_turns(make_trainer):
                            trainer_kwargs={"external_transition": refine})
     trainer.train()
     assert trainer.state.env_step == 4 * (4 + 16)  # J = K**N = 4 joint actions per node, 1 + 4 nodes
+
+
+def test_chat_agents_render_every_turn_once(model_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from comlrl import MAGRPOConfig, MAGRPOTrainer
+    from comlrl.testing import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    seen = []
+
+    def transition(prompt, agent_completions):
+        seen.append(prompt)
+        return ["Go on.", "Go on."]
+
+    trainer = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path) for _ in range(2)],
+                            tokenizer=tok, reward_func=length_ratio_reward, external_transition=transition,
+                            train_dataset=[{"prompt": [{"role": "user", "content": "Hi."}]}],
+                            args=MAGRPOConfig(num_turns=2, max_new_tokens=4, output_dir=str(tmp_path)))
+    turns = trainer._episode(trainer._make_batch([0]), trainer._train_seed(0))
+    assert seen[0] == [{"role": "user", "content": "Hi."}]  # the transition sees the messages, not markup
+    assert trainer._render(0, turns[1].nodes[0].prompts[0]) == "<|user|>Go on.\n<|assistant|>"

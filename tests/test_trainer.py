@@ -302,7 +302,8 @@ def test_chat_messages_are_rendered_with_each_agents_template(model_path, tmp_pa
     trainer = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path)], tokenizer=chat_tok,
                             reward_func=lambda c: [float(len(x)) for x in c], train_dataset=rows,
                             args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=4, output_dir=str(tmp_path)))
-    assert trainer.train_prompts[0] == ["<|system|>Be brief.\n<|user|>Name a city.\n<|assistant|>"]
+    assert trainer._render(0, trainer.train_prompts[0][0]) == "<|system|>Be brief.\n<|user|>Name a city.\n<|assistant|>"
+    assert trainer._render(0, "Next turn") == "<|user|>Next turn\n<|assistant|>"
     trainer.train()
     with pytest.raises(TokenizerError, match="no chat_template"):
         MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path)], tokenizer=plain_tok,
@@ -323,7 +324,8 @@ def test_formatters_per_agent_mix_chat_and_plain(model_path, tmp_path):
         formatters=[lambda r: [{"role": "user", "content": f"Write about {r['topic']}."}],
                     lambda r: f"Critique a text about {r['topic']}:"],
         args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=4, output_dir=str(tmp_path)))
-    assert trainer.train_prompts == [["<|user|>Write about rain.\n<|assistant|>"], ["Critique a text about rain:"]]
+    assert [trainer._render(a, trainer.train_prompts[a][0]) for a in range(2)] == [
+        "<|user|>Write about rain.\n<|assistant|>", "Critique a text about rain:"]
     assert trainer.chat_agents == [True, False]
     trainer.train()
 
@@ -349,6 +351,14 @@ def test_save_model_writes_loadable_transformers_directories(make_trainer, tmp_p
         loaded = AutoModelForCausalLM.from_pretrained(out / f"agent_{i}")
         assert all(torch.equal(a, b) for a, b in zip(agent.state_dict().values(), loaded.state_dict().values()))
         assert len(AutoTokenizer.from_pretrained(out / f"agent_{i}")) == len(trainer.tokenizers[i])
-    (out / "marker").write_text("old")
+    (out / "agent_0" / "stale.txt").write_text("from an older save")
     trainer.save_model(out)  # replaces the previous save as a whole
-    assert not (out / "marker").exists() and not list(tmp_path.glob(".*final*"))
+    assert not (out / "agent_0" / "stale.txt").exists() and not list(tmp_path.glob(".*final*"))
+
+
+def test_save_model_never_deletes_other_files(make_trainer, tmp_path):
+    trainer = make_trainer(num_train_epochs=1)
+    trainer.train(checkpoint_dir=tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match="holds more than agent_\\* folders"):
+        trainer.save_model(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "checkpoint-1").is_dir() and (tmp_path / "ckpt" / "metrics.jsonl").is_file()

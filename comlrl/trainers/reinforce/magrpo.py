@@ -15,6 +15,7 @@ import copy
 import logging
 import math
 import os
+import re
 import shutil
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from ... import checkpoint as ckpt
+from ..._io import fsync_dir, fsync_tree
 from ...advantages import group_advantages
 from ...exceptions import CheckpointDirError, ConfigError, DataError, ResumeMismatchError, TokenizerError
 from ...fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint, model_fingerprint,
@@ -54,7 +56,7 @@ class TrainState:
     env_step: int = 0              # joint actions scored
     checkpoint: int = 0            # number of the last checkpoint saved
     log_window: dict[str, float] = field(default_factory=dict)  # metric sums since the last log
-    log_window_steps: int = 0
+    log_window_counts: dict[str, int] = field(default_factory=dict)  # steps that reported each metric
 
 
 @dataclass
@@ -273,8 +275,8 @@ class MAGRPOTrainer:
                                 f"{sorted(rows[missing[0]])}); add one, or pass formatters=... that build the prompt.")
         return rows
 
-    def _format_all(self, rows: list[dict[str, Any]]) -> list[list[str]]:
-        """``[num_agents][len(rows)]`` prompt strings (chat prompts rendered by the agent's template)."""
+    def _format_all(self, rows: list[dict[str, Any]]) -> list[list[Any]]:
+        """``[num_agents][len(rows)]`` prompts as given: strings, or chat messages (rendered at sampling)."""
         prompts = [[self._format(a, row, i) for i, row in enumerate(rows)] for a in range(self.num_agents)]
         for a in range(self.num_agents):
             kinds = {isinstance(p, list) for p in prompts[a]}
@@ -287,11 +289,15 @@ class MAGRPOTrainer:
                                 "(chat messages vs plain strings); use one form for both.")
             self.chat_agents[a] = chat
             if chat:
-                prompts[a] = [self._render_chat(a, p) for p in prompts[a]]
+                self._render(a, prompts[a][0])  # a missing chat template fails now, not mid-run
         return prompts
 
-    def _render_chat(self, agent: int, messages: list[dict[str, Any]]) -> str:
-        """Apply the agent's chat template, ending with the assistant's turn."""
+    def _render(self, agent: int, prompt: Any) -> str:
+        """The text agent ``agent`` is sampled from: a chat agent's messages (or a later turn's text,
+        as one user message) rendered with its chat template, ending with the assistant's turn."""
+        if not self.chat_agents[agent]:
+            return prompt
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         tokenizer = self.tokenizers[agent]
         if not getattr(tokenizer, "chat_template", None):
             raise TokenizerError(f"the prompts of agent {agent} are chat messages but its tokenizer has no "
@@ -392,9 +398,6 @@ class MAGRPOTrainer:
                     answer = [completions[a][i * joint + j] for a in range(n)]
                     with timer("transition"):
                         prompts = self.transition(node, answer, batch.rows[node.group], turn_number)
-                        # Chat agents get the transition's text as their next user message.
-                        prompts = [self._render_chat(a, [{"role": "user", "content": p}]) if self.chat_agents[a]
-                                   else p for a, p in enumerate(prompts)]
                     turn.children.append(len(children))
                     children.append(Node(node.group, node.index, node.path + (j,), prompts,
                                          [h + [p] for h, p in zip(node.prompt_history, prompts)],
@@ -410,8 +413,8 @@ class MAGRPOTrainer:
         outs = []
         for a, (model, tok) in enumerate(zip(self.agents, self.tokenizers)):
             seeds = [[seed_of(a, node, g) for g in range(k)] for node in nodes]
-            outs.append(rollout(model, tok, [node.prompts[a] for node in nodes], seeds, self.sampling,
-                                self.eos_token_ids[a], add_special_tokens=not self.chat_agents[a]))
+            outs.append(rollout(model, tok, [self._render(a, node.prompts[a]) for node in nodes], seeds,
+                                self.sampling, self.eos_token_ids[a], add_special_tokens=not self.chat_agents[a]))
         return outs
 
     def _joint_completions(self, rollouts: list[Rollout], num_nodes: int) -> list[list[str]]:
@@ -477,7 +480,7 @@ class MAGRPOTrainer:
             turns = self._episode(batch, self._train_seed(epoch), timer)
             with timer("advantage"):
                 returns = discounted_returns([t.rewards for t in turns], [t.children for t in turns],
-                                             self.joint_per_group, self.args.discount)
+                                             self.joint_per_group, self.args.discount, self.args.num_turns)
                 advantages = [[group_advantages(r, t.rollouts[0].group_ids.cpu(), self.args.advantage_mode,
                                                 self.args.advantage_normalization)
                                for r in self._agent_returns(g, len(t.nodes))] for t, g in zip(turns, returns)]
@@ -547,7 +550,8 @@ class MAGRPOTrainer:
                 batch = self._make_batch(indices[start:start + self.args.train_batch_size], "eval")
                 turns = self._episode(batch, self._eval_seed)
                 first_returns.append(discounted_returns([t.rewards for t in turns], [t.children for t in turns],
-                                                        self.joint_per_group, self.args.discount)[0])
+                                                        self.joint_per_group, self.args.discount,
+                                                        self.args.num_turns)[0])
                 for t, turn in enumerate(turns):
                     turn_rewards[t].append(turn.rewards)
                     for a, ro in enumerate(turn.rollouts):
@@ -659,17 +663,17 @@ class MAGRPOTrainer:
                             wandb_sink: Optional[WandbSink], evaluation: Optional[dict[str, float]] = None
                             ) -> Optional[dict[str, float]]:
         """Add a step's metrics to the window; write one row on logging steps and eval steps."""
-        window = self.state.log_window
+        window, counts = self.state.log_window, self.state.log_window_counts
         for key, value in metrics.items():
             window[key] = window.get(key, 0.0) + value
-        self.state.log_window_steps += 1
+            counts[key] = counts.get(key, 0) + 1
         row: dict[str, float] = {}
         if self.state.global_step % self.args.logging_steps == 0:
-            n = self.state.log_window_steps
-            row = {key: value / n for key, value in sorted(window.items())}
+            # Each metric averages the steps that reported it (a later turn may not occur every step).
+            row = {key: value / counts[key] for key, value in sorted(window.items())}
             for key in ("train/reward_min", "train/reward_max"):  # extremes stay extremes (last step's)
                 row[key] = metrics[key]
-            self.state.log_window, self.state.log_window_steps = {}, 0
+            self.state.log_window, self.state.log_window_counts = {}, {}
         row.update(evaluation or {})
         if not row:
             return None
@@ -691,19 +695,25 @@ class MAGRPOTrainer:
         an interrupted save leaves the previous ``output_dir`` (if any) untouched.
         """
         target = Path(output_dir)
+        if target.exists() and (not target.is_dir() or any(not re.fullmatch(r"agent_\d+", p.name)
+                                                           for p in target.iterdir())):
+            raise ConfigError(f"save_model: {target} exists and holds more than agent_* folders (metrics, "
+                              "checkpoints?); nothing was written. Choose an empty or new directory.")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
         try:
             for i, (model, tokenizer) in enumerate(zip(self.agents, self.tokenizers)):
                 model.save_pretrained(tmp / f"agent_{i}")
                 tokenizer.save_pretrained(tmp / f"agent_{i}")
-            if target.exists():
+            fsync_tree(tmp)
+            if target.exists():  # an earlier save_model: swap, then drop it
                 old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
                 os.rename(target, old)
                 os.rename(tmp, target)
                 shutil.rmtree(old, ignore_errors=True)
             else:
                 os.rename(tmp, target)
+            fsync_dir(target.parent)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -799,6 +809,7 @@ class MAGRPOTrainer:
         # The save's cost shows up in the next logged row.
         self.state.log_window["timing/checkpoint"] = self.state.log_window.get("timing/checkpoint", 0.0) \
             + timer.seconds["checkpoint"]
+        self.state.log_window_counts.setdefault("timing/checkpoint", 1)
         logger.info("comlrl: saved %s (env_step %d)", path, self.state.env_step)
         return path
 
