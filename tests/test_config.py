@@ -40,11 +40,20 @@ def test_seed_fields_and_defaults():
     ("seed", -1, "seed"),
     ("eval_interval", -1, "eval_interval"),
     ("eval_num_samples", 0, "eval_num_samples"),
+    ("device", "gpu0", "device"),
+    ("agent_devices", "cuda:0", "agent_devices"),
+    ("agent_devices", ["cpu", "tpu:x"], "agent_devices"),
     ("num_generations", True, "num_generations"),
 ])
 def test_invalid_values_raise_at_construction(field, value, words):
     with pytest.raises(ConfigError, match=words):
         MAGRPOConfig(**{field: value})
+
+
+def test_agent_devices_normalised_and_exclusive_with_device():
+    assert MAGRPOConfig(agent_devices=["cpu", "cpu"]).agent_devices == ("cpu", "cpu")
+    with pytest.raises(ConfigError, match="either device .* or agent_devices"):
+        MAGRPOConfig(device="cpu", agent_devices=["cpu", "cpu"])
 
 
 def test_config_error_is_a_value_error():
@@ -79,8 +88,8 @@ def test_every_field_is_documented_in_one_line():
 
 
 def test_only_the_documented_fields_may_change_on_resume():
-    assert RESUMABLE_FIELDS == {"num_train_epochs", "logging_steps", "output_dir", "device", "eval_interval",
-                                "eval_num_samples"}
+    assert RESUMABLE_FIELDS == {"num_train_epochs", "logging_steps", "output_dir", "device", "agent_devices",
+                                "eval_interval", "eval_num_samples"}
 
 
 def test_round_trip_through_dict():

@@ -362,3 +362,17 @@ def test_save_model_never_deletes_other_files(make_trainer, tmp_path):
     with pytest.raises(ConfigError, match="holds more than agent_\\* folders"):
         trainer.save_model(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "checkpoint-1").is_dir() and (tmp_path / "ckpt" / "metrics.jsonl").is_file()
+
+
+def test_agent_devices_place_each_agent_and_are_checked(make_trainer, tmp_path):
+    trainer = make_trainer(num_train_epochs=1, agent_devices=["cpu", "cpu"])
+    trainer.train()
+    assert [next(m.parameters()).device.type for m in trainer.agents] == ["cpu", "cpu"]
+    with pytest.raises(ConfigError, match="names 1 device\\(s\\) for 2 agents"):
+        make_trainer(agent_devices=["cpu"])
+    with pytest.raises(ConfigError, match="'cuda:5' is not available"):
+        make_trainer(agent_devices=["cpu", "cuda:5"])
+    # devices may change on resume
+    make_trainer(num_train_epochs=1).train(checkpoint_dir=tmp_path / "c")
+    make_trainer(num_train_epochs=2, agent_devices=["cpu", "cpu"]).train(
+        resume_from_checkpoint=tmp_path / "c" / "checkpoint-1", checkpoint_dir=tmp_path / "c")

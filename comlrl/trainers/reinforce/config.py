@@ -9,6 +9,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 from ...exceptions import ConfigError
 
 __all__ = ["MAGRPOConfig", "MAREINFORCEConfig", "MARLOOConfig", "MAReMaxConfig", "RESUMABLE_FIELDS"]
@@ -55,6 +57,7 @@ class MAGRPOConfig:
     logging_steps: int = _may_change(10, "Log metrics every this many optimizer steps (averaged over them).")
     output_dir: str = _may_change("outputs", "Where metrics.jsonl goes when train() gets no checkpoint_dir.")
     device: Optional[str] = _may_change(None, "Device for all agents, e.g. 'cpu', 'cuda:0'; None = cuda if available.")
+    agent_devices: Optional[tuple[str, ...]] = _may_change(None, "One device per agent, e.g. ('cuda:0', 'cuda:1'), instead of device.")
     eval_interval: int = _may_change(0, "Evaluate on eval_dataset every this many optimizer steps; 0 = only when called.")
     eval_num_samples: Optional[int] = _may_change(None, "Eval prompts used per evaluation (the first N); None = all.")
     seed: int = _fixed(42, "Seeds data order, sampling and model code; same seed + same inputs = same run.")
@@ -130,8 +133,22 @@ class MAGRPOConfig:
         _check_float(self, "discount", lambda v: 0 <= v <= 1, "in [0, 1]")
         if self.termination_threshold is not None:
             _check_float(self, "termination_threshold", lambda v: True, "(finite)")
-        if self.device is not None and not isinstance(self.device, str):
-            raise ConfigError(f"device must be a string such as 'cpu' or 'cuda:0', or None; got {self.device!r}.")
+        for name in ("device",) + (("agent_devices",) if self.agent_devices is not None else ()):
+            values = [self.device] if name == "device" else self.agent_devices
+            if name == "agent_devices":
+                if isinstance(values, str) or not isinstance(values, (list, tuple)) or not values:
+                    raise ConfigError(f"agent_devices must be a list of device strings, one per agent, e.g. "
+                                      f"['cuda:0', 'cuda:1']; got {values!r}.")
+                object.__setattr__(self, "agent_devices", tuple(values))  # frozen: normalise once, here
+            for value in values:
+                if value is None and name == "device":
+                    continue
+                try:
+                    torch.device(value)
+                except (RuntimeError, TypeError) as exc:
+                    raise ConfigError(f"{name}: {value!r} is not a device such as 'cpu' or 'cuda:0' ({exc}).") from exc
+        if self.device is not None and self.agent_devices is not None:
+            raise ConfigError("set either device (all agents) or agent_devices (one per agent), not both.")
         if not isinstance(self.output_dir, str) or not self.output_dir:
             raise ConfigError(f"output_dir must be a non-empty path string, got {self.output_dir!r}.")
 

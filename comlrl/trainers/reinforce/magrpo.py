@@ -153,9 +153,14 @@ class MAGRPOTrainer:
         if args.eval_interval and self.eval_rows is None:
             raise ConfigError(f"eval_interval={args.eval_interval} but no eval_dataset was given; pass "
                               "eval_dataset=... or set eval_interval=0.")
-        self.device = self._resolve_device(args.device)
-        for model in self.agents:
-            model.to(self.device)
+        if args.agent_devices is not None and len(args.agent_devices) != self.num_agents:
+            raise ConfigError(f"agent_devices names {len(args.agent_devices)} device(s) for {self.num_agents} agents; "
+                              "give exactly one per agent.")
+        self.agent_devices = [self._resolve_device(d) for d in args.agent_devices] if args.agent_devices \
+            else [self._resolve_device(args.device)] * self.num_agents
+        self.device = self.agent_devices[0]  # timers synchronise here
+        for model, device in zip(self.agents, self.agent_devices):
+            model.to(device)
         set_seed(args.seed)
         self.optimizers = [
             torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=args.agent_learning_rate,
