@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from comlrl.losses import completion_mask, policy_gradient_loss, selected_log_probs, sequence_log_probs
+from comlrl.rollout import left_pad  # building padded inputs; not what these tests check
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,16 +225,6 @@ def _tiny(kind: str):
     return _MODELS[kind]
 
 
-def _left_pad(seqs: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, width - len(s):] = torch.tensor(s)
-        mask[r, width - len(s):] = 1
-    return ids, mask
-
-
 def _ref_row_logp(model, prompt: list[int], completion: list[int], temperature: float) -> torch.Tensor:
     """One row, no padding, plain forward: log_softmax(logits / T) gathered at the completion."""
     ids = torch.tensor([prompt + completion])
@@ -260,7 +251,7 @@ def _batch(tok):
 def test_sequence_log_probs_batched_equals_unpadded_rows(kind, temperature):
     model, tok = _tiny(kind)
     prompt_lists, completion = _batch(tok)
-    prompt_ids, prompt_mask = _left_pad(prompt_lists, tok.pad_token_id)
+    prompt_ids, prompt_mask = left_pad(prompt_lists, tok.pad_token_id)
     with torch.no_grad():
         got = sequence_log_probs(model, prompt_ids, prompt_mask, completion, temperature)
         assert got.shape == completion.shape and got.dtype == torch.float32
@@ -274,7 +265,7 @@ def test_sequence_log_probs_batched_equals_unpadded_rows(kind, temperature):
 def test_sequence_log_probs_gradient_equals_unpadded_rows(kind):
     model, tok = _tiny(kind)
     prompt_lists, completion = _batch(tok)
-    prompt_ids, prompt_mask = _left_pad(prompt_lists, tok.pad_token_id)
+    prompt_ids, prompt_mask = left_pad(prompt_lists, tok.pad_token_id)
     params = [p for p in model.parameters() if p.requires_grad]
     temperature = 0.8
 
@@ -301,7 +292,7 @@ def test_sequence_log_probs_prompt_padding_is_invisible():
     """Adding extra left padding to the whole batch leaves the log-probs unchanged."""
     model, tok = _tiny("qwen2")
     prompt_lists, completion = _batch(tok)
-    ids, mask = _left_pad(prompt_lists, tok.pad_token_id)
+    ids, mask = left_pad(prompt_lists, tok.pad_token_id)
     extra = 4
     ids2 = torch.cat([torch.full((3, extra), tok.pad_token_id), ids], dim=1)
     mask2 = torch.cat([torch.zeros(3, extra, dtype=torch.long), mask], dim=1)
@@ -315,7 +306,7 @@ def test_sequence_log_probs_depends_on_the_prompt():
     """Sanity: the reference comparison is sensitive (different prompt -> different log-probs)."""
     model, tok = _tiny("qwen2")
     prompt_lists, completion = _batch(tok)
-    ids, mask = _left_pad(prompt_lists, tok.pad_token_id)
+    ids, mask = left_pad(prompt_lists, tok.pad_token_id)
     with torch.no_grad():
         a = sequence_log_probs(model, ids, mask, completion)
         shifted = _ref_row_logp(model, prompt_lists[0][1:], completion[0].tolist(), 1.0)

@@ -12,7 +12,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from comlrl.losses import completion_mask
-from comlrl.rollout import SamplingParams, derive_seed, generate, rollout, row_uniforms, sample_tokens
+from comlrl.rollout import SamplingParams, derive_seed, generate, left_pad, rollout, row_uniforms, sample_tokens
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,16 +238,6 @@ def biased_model(kind: str = "qwen2"):
 PROMPTS = ["Describe a city in the clouds.", "Hi", "Invent a new holiday and explain it: on the day of"]
 
 
-def _left_pad(seqs, pad):
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, width - len(s):] = torch.tensor(s)
-        mask[r, width - len(s):] = 1
-    return ids, mask
-
-
 @torch.no_grad()
 def slow_generate(model, prompt_ids, prompt_mask, uniforms, params, eos_token_ids, pad_token_id):
     """No KV cache: a full forward over the whole left-padded sequence for every new token."""
@@ -272,7 +262,7 @@ def slow_generate(model, prompt_ids, prompt_mask, uniforms, params, eos_token_id
 def _generate_inputs(tok, rows_per_prompt=2, max_new_tokens=16, seed0=100):
     enc = [tok(p)["input_ids"] for p in PROMPTS]
     rows = [ids for ids in enc for _ in range(rows_per_prompt)]
-    prompt_ids, prompt_mask = _left_pad(rows, tok.pad_token_id)
+    prompt_ids, prompt_mask = left_pad(rows, tok.pad_token_id)
     seeds = [seed0 + i for i in range(len(rows))]
     return prompt_ids, prompt_mask, row_uniforms(seeds, max_new_tokens)
 
