@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
-__all__ = ["atomic_write_text", "fsync_dir", "fsync_tree"]
+__all__ = ["atomic_write_text", "fsync_dir", "fsync_tree", "move_into_place"]
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -33,6 +35,20 @@ def fsync_tree(root: str | os.PathLike) -> None:
         else:
             fsync_dir(path)
     fsync_dir(root)
+
+
+def move_into_place(tmp: Path, target: Path) -> None:
+    """Rename a finished (fsynced) directory ``tmp`` to ``target``. An existing ``target`` is first
+    renamed to a hidden ``.old-*`` sibling and deleted only after the new one is in place."""
+    if target.exists():
+        old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(target, old)
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, target)
+    fsync_dir(target.parent)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -34,12 +34,13 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from .exceptions import CheckpointError
-from ._io import fsync_dir, fsync_tree
+from ._io import fsync_dir, fsync_tree, move_into_place
 
 __all__ = [
     "FORMAT_VERSION",
     "STATE_FILE",
     "checkpoint_path",
+    "checkpoint_number",
     "list_checkpoints",
     "latest_checkpoint",
     "read_state",
@@ -58,6 +59,14 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 def checkpoint_path(directory: str | os.PathLike, number: int) -> Path:
     return Path(directory) / f"checkpoint-{number}"
+
+
+def checkpoint_number(path: str | os.PathLike) -> int:
+    """N of a ``checkpoint-N`` directory."""
+    match = _NAME.match(Path(path).name)
+    if not match:
+        raise CheckpointError(f"{path} is not named checkpoint-N.")
+    return int(match.group(1))
 
 
 def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
@@ -234,16 +243,7 @@ def save_checkpoint(directory: str | os.PathLike, number: int, models: Sequence[
             handle.flush()
             os.fsync(handle.fileno())
         fsync_tree(tmp)
-        if final.exists():
-            # Re-saving a number (resumed from an older checkpoint): swap, then drop the old copy.
-            old = directory / f".old-{final.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            fsync_dir(directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        fsync_dir(directory)
+        move_into_place(tmp, final)  # re-saving a number (resumed from an older checkpoint) swaps it
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -99,21 +99,24 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
     return _invert_cdf(probs, uniforms, torch.arange(vocab, device=probs.device).expand_as(probs))
 
 
+def _nucleus_drop_sorted(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """For probabilities sorted descending: which fall outside the smallest set holding ``top_p``."""
+    drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
+    drop[:, 0] = False  # always keep the most likely token
+    return drop
+
+
 def _nucleus_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """``[R, V]`` bool: tokens outside the smallest most-likely set holding ``top_p`` of the mass."""
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-    drop_sorted = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
-    drop_sorted[:, 0] = False  # always keep the most likely token
-    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, _nucleus_drop_sorted(sorted_probs, top_p))
 
 
 def _sample_candidates(top_scores: torch.Tensor, top_ids: torch.Tensor, uniforms: torch.Tensor,
                        top_p: float) -> torch.Tensor:
     probs = torch.softmax(top_scores, dim=-1, dtype=torch.float64)  # [R, k], descending
     if top_p < 1.0:
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
-        drop[:, 0] = False
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(_nucleus_drop_sorted(probs, top_p), 0.0)
     ids, order = torch.sort(top_ids, dim=-1)  # token-id order, like the full-vocabulary CDF
     return _invert_cdf(probs.gather(-1, order), uniforms, ids)
 

@@ -6,7 +6,7 @@ import torch
 
 from comlrl import ConfigError
 
-from helpers import SEED_PROMPTS, length_ratio_reward
+from helpers import length_ratio_reward
 
 EVAL = [{"prompt": p} for p in ("Tell a joke about rain:", "Name three colours:", "Describe a quiet forest:")]
 

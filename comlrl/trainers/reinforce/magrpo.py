@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ... import checkpoint as ckpt
-from ..._io import fsync_dir, fsync_tree
+from ..._io import fsync_tree, move_into_place
 from ...advantages import group_advantages
 from ...exceptions import CheckpointDirError, ConfigError, DataError, ResumeMismatchError, TokenizerError
 from ...fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint, model_fingerprint,
@@ -711,14 +711,7 @@ class MAGRPOTrainer:
                 model.save_pretrained(tmp / f"agent_{i}")
                 tokenizer.save_pretrained(tmp / f"agent_{i}")
             fsync_tree(tmp)
-            if target.exists():  # an earlier save_model: swap, then drop it
-                old = target.parent / f".old-{target.name}-{uuid.uuid4().hex[:8]}"
-                os.rename(target, old)
-                os.rename(tmp, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, target)
-            fsync_dir(target.parent)
+            move_into_place(tmp, target)  # replaces an earlier save_model only after the new one is whole
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -767,7 +760,7 @@ class MAGRPOTrainer:
                     f"{directory} already holds checkpoints of another run ({existing.name}); nothing was "
                     "overwritten. Resume it with resume_from_checkpoint=..., or choose an empty checkpoint_dir."
                 )
-            if int(existing.name.rsplit("-", 1)[1]) > self.state.checkpoint:
+            if ckpt.checkpoint_number(existing) > self.state.checkpoint:
                 newer.append(existing)
         if newer:
             # Resuming from an older checkpoint of this run: the newer ones belong to the abandoned
