@@ -207,11 +207,15 @@ def _join_optimizer_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]
 
 def save_checkpoint(directory: str | os.PathLike, number: int, models: Sequence[torch.nn.Module],
                     optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any],
-                    state: dict[str, Any]) -> Path:
+                    state: dict[str, Any],
+                    rng_states: Optional[Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]] = None) -> Path:
     """Write ``directory/checkpoint-{number}`` atomically and return its path.
 
     ``state`` is the trainer's JSON-ready record (counters, config, fingerprints, ...); this
     function adds RNG states, optimizer/scheduler hyper-state and the file manifest.
+    ``rng_states``: every rank's :func:`capture_rng_state` in rank order (data parallel); None =
+    this process's only. Rank 0's are stored as in a one-process checkpoint, rank r's tensors under
+    ``rank{r}/...`` and its JSON part in ``rng_other_ranks[r - 1]``.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -222,8 +226,13 @@ def save_checkpoint(directory: str | os.PathLike, number: int, models: Sequence[
         record = dict(state)
         record["format_version"] = FORMAT_VERSION
         record["checkpoint"] = number
-        rng_json, rng_tensors = capture_rng_state()
-        record["rng"] = rng_json
+        ranks = list(rng_states) if rng_states is not None else [capture_rng_state()]
+        record["world_size"] = len(ranks)
+        record["rng"] = ranks[0][0]
+        record["rng_other_ranks"] = [json_part for json_part, _ in ranks[1:]]
+        rng_tensors = dict(ranks[0][1])
+        for r, (_, tensors) in enumerate(ranks[1:], start=1):
+            rng_tensors.update({f"rank{r}/{k}": v for k, v in tensors.items()})
         save_file(rng_tensors, str(tmp / "rng.safetensors"))
         record["optimizers"], record["schedulers"] = [], []
         for i, (model, optimizer) in enumerate(zip(models, optimizers)):
@@ -252,8 +261,11 @@ def save_checkpoint(directory: str | os.PathLike, number: int, models: Sequence[
 
 def load_checkpoint(path: str | os.PathLike, models: Sequence[torch.nn.Module],
                     optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any],
-                    restore_rng: bool = True) -> dict[str, Any]:
+                    restore_rng: bool = True, rank: int = 0) -> dict[str, Any]:
     """Verify ``path`` and load weights, optimizer and scheduler state and RNG states in place.
+
+    ``rank``: whose random states to restore (data parallel). A checkpoint written by fewer
+    processes gives the extra ranks rank 0's states (the caller says so to the user).
 
     Returns the checkpoint's JSON state. Raises :class:`CheckpointError` naming the checkpoint and
     the problem for anything missing, truncated, corrupted, tampered or of the wrong shape.
@@ -277,7 +289,14 @@ def load_checkpoint(path: str | os.PathLike, models: Sequence[torch.nn.Module],
         for scheduler, saved in zip(schedulers, state.get("schedulers", [])):
             scheduler.load_state_dict(saved)
         if restore_rng:
-            restore_rng_state(state["rng"], load_file(str(path / "rng.safetensors")))
+            tensors = load_file(str(path / "rng.safetensors"))
+            saved_ranks = int(state.get("world_size", 1))
+            if 0 < rank < saved_ranks:
+                prefix = f"rank{rank}/"
+                restore_rng_state(state["rng_other_ranks"][rank - 1],
+                                  {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+            else:
+                restore_rng_state(state["rng"], {k: v for k, v in tensors.items() if "/" not in k})
     except CheckpointError:
         raise
     except (SafetensorError, RuntimeError, KeyError, ValueError, TypeError) as exc:

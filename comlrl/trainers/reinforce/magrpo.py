@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ... import checkpoint as ckpt
+from ... import distributed as dist
 from ..._io import fsync_tree, move_into_place
 from ...advantages import group_advantages
 from ...exceptions import CheckpointDirError, ConfigError, DataError, ResumeMismatchError, TokenizerError
@@ -119,6 +120,7 @@ class MAGRPOTrainer:
                               "other baselines.")
         self.args = args
         self.wandb_config = check_wandb_config(wandb_config)
+        self.dist = dist.init_distributed()  # one process unless launched by torchrun
         self.agents, tokenizer = self._resolve_agents(agent_model, agents, num_agents, tokenizer)
         self.num_agents = len(self.agents)
         self.tokenizers = self._resolve_tokenizers(tokenizer)
@@ -150,6 +152,16 @@ class MAGRPOTrainer:
         self.train_prompts = self._format_all(self.train_rows)
         self.eval_rows = self._resolve_dataset(eval_dataset, "eval_dataset") if eval_dataset is not None else None
         self.eval_prompts = self._format_all(self.eval_rows) if self.eval_rows is not None else None
+        if self.dist.enabled and args.train_batch_size < self.dist.world_size:
+            raise ConfigError(
+                f"{self.dist.world_size} processes share each micro-batch of train_batch_size="
+                f"{args.train_batch_size} prompt(s): some would never get a prompt. train_batch_size counts the "
+                f"prompts of a micro-batch across all processes; set it to at least {self.dist.world_size} "
+                f"(a multiple of {self.dist.world_size} keeps every process equally busy), or launch fewer processes."
+            )
+        if self.dist.world_size > len(self.train_rows):
+            raise ConfigError(f"{self.dist.world_size} processes but train_dataset has only {len(self.train_rows)} "
+                              "prompt(s); launch at most as many processes as there are prompts.")
         if args.eval_interval and self.eval_rows is None:
             raise ConfigError(f"eval_interval={args.eval_interval} but no eval_dataset was given; pass "
                               "eval_dataset=... or set eval_interval=0.")
@@ -161,6 +173,7 @@ class MAGRPOTrainer:
         self.device = self.agent_devices[0]  # timers synchronise here
         for model, device in zip(self.agents, self.agent_devices):
             model.to(device)
+        dist.broadcast_parameters(self.agents, self.dist)  # every rank starts from rank 0's weights
         set_seed(args.seed)
         self.optimizers = [
             torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=args.agent_learning_rate,
@@ -175,7 +188,7 @@ class MAGRPOTrainer:
         ]
         self.sampling = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
         self.state = TrainState()
-        self.run_id = uuid.uuid4().hex
+        self.run_id = dist.gather_objects(uuid.uuid4().hex, self.dist)[0]  # rank 0's, on every rank
         self.wandb_identity: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------------------------------
@@ -464,9 +477,11 @@ class MAGRPOTrainer:
         return float(loss.detach())
 
     def _apply_gradients(self) -> list[float]:
-        """Clip, step and zero every agent's gradients; returns the pre-clip gradient norms."""
+        """Sum gradients over processes, then clip, step and zero every agent; returns the pre-clip
+        gradient norms."""
         norms = []
         for model, opt, sched in zip(self.agents, self.optimizers, self.schedulers):
+            dist.all_reduce_gradients(list(model.parameters()), self.dist)
             params = [p for p in model.parameters() if p.grad is not None]
             limit = self.args.max_grad_norm if self.args.max_grad_norm is not None else math.inf
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, limit)) if params else 0.0)
@@ -475,38 +490,68 @@ class MAGRPOTrainer:
             opt.zero_grad(set_to_none=True)
         return norms
 
+    def _loss_denominators(self, turns: list[Turn]) -> list[float]:
+        """Per turn: rows, then each agent's scored tokens (zeros for turns not played here).
+
+        Summed over processes, these turn each process's share of a micro-batch into exactly its
+        part of the loss one process would compute on the whole micro-batch.
+        """
+        counts = [0.0] * (self.args.num_turns * (1 + self.num_agents))
+        for t, turn in enumerate(turns):
+            base = t * (1 + self.num_agents)
+            counts[base] = float(len(turn.nodes))
+            for a, ro in enumerate(turn.rollouts):
+                counts[base + 1 + a] = float(ro.completion_mask.sum())
+        return counts
+
     def _optimizer_step(self, micro_batches: list[list[int]], epoch: int, timer: PhaseTimer) -> dict[str, float]:
-        """Episodes, returns, advantages and backward for each micro-batch, then one AdamW step per agent."""
+        """Episodes, returns, advantages and backward for each micro-batch, then one AdamW step per agent.
+
+        Under torchrun each process plays its share of every micro-batch (:func:`comlrl.distributed.shard`)
+        and weighs its loss by its share of the micro-batch's rows (or tokens, for ``token_mean``), so
+        the gradients summed over processes equal the one-process gradient of the whole micro-batch.
+        """
         total_groups = sum(len(mb) for mb in micro_batches)
-        turn_rewards: list[list[torch.Tensor]] = [[] for _ in range(self.args.num_turns)]
-        first_returns, losses, lengths = [], [0.0] * self.num_agents, [[] for _ in self.agents]
+        records, losses = [], [0.0] * self.num_agents
+        per_turn = 1 + self.num_agents
         for indices in micro_batches:
-            batch = self._make_batch(indices)
-            turns = self._episode(batch, self._train_seed(epoch), timer)
-            with timer("advantage"):
-                returns = discounted_returns([t.rewards for t in turns], [t.children for t in turns],
-                                             self.joint_per_group, self.args.discount, self.args.num_turns)
-                advantages = [[group_advantages(r, t.rollouts[0].group_ids.cpu(), self.args.advantage_mode,
-                                                self.args.advantage_normalization)
-                               for r in self._agent_returns(g, len(t.nodes))] for t, g in zip(turns, returns)]
-            total_rows = sum(len(t.nodes) for t in turns)
+            mine = dist.shard(indices, self.dist)
+            turns: list[Turn] = []
+            if mine:
+                batch = self._make_batch(mine)
+                turns = self._episode(batch, self._train_seed(epoch), timer)
+                with timer("advantage"):
+                    returns = discounted_returns([t.rewards for t in turns], [t.children for t in turns],
+                                                 self.joint_per_group, self.args.discount, self.args.num_turns)
+                    advantages = [[group_advantages(r, t.rollouts[0].group_ids.cpu(), self.args.advantage_mode,
+                                                    self.args.advantage_normalization)
+                                   for r in self._agent_returns(g, len(t.nodes))] for t, g in zip(turns, returns)]
+            local = self._loss_denominators(turns)
+            totals = dist.all_reduce_sum(local, self.dist)
+            total_rows = sum(totals[t * per_turn] for t in range(self.args.num_turns))
             with timer("update"):
                 for t, turn in enumerate(turns):
                     # Every completion of every turn weighs the same in the micro-batch's loss.
-                    share = len(turn.nodes) / total_rows
+                    share = totals[t * per_turn] / total_rows
                     for a, ro in enumerate(turn.rollouts):
-                        loss = self._backward(a, ro, advantages[t][a], share * len(indices) / total_groups)
-                        losses[a] += loss * share * len(indices)
-                        lengths[a].append(ro.lengths.float().cpu())
-            for t, turn in enumerate(turns):
-                turn_rewards[t].append(turn.rewards)
-                self.state.env_step += len(turn.rewards)
-            first_returns.append(returns[0])
+                        d = t * per_turn + (1 + a if self.args.loss_type == "token_mean" else 0)
+                        part = local[d] / totals[d] if totals[d] else 0.0  # this process's part of the loss
+                        weight = share * len(indices) / total_groups * part
+                        loss = self._backward(a, ro, advantages[t][a], weight)
+                        losses[a] += loss * part * share * len(indices)
+            records.append({
+                "rewards": [t.rewards for t in turns],
+                "first_returns": returns[0] if turns else None,
+                "lengths": [[ro.lengths.float().cpu() for ro in t.rollouts] for t in turns],
+            })
         learning_rate = self.schedulers[0].get_last_lr()[0]  # the rate this step is taken with
         with timer("update"):
             grad_norms = self._apply_gradients()
         self.state.global_step += 1
-        all_rewards = torch.cat([r for per_turn in turn_rewards for r in per_turn])
+        turn_rewards, first_returns, lengths, losses = self._merge_ranks(records, losses)
+        for per_turn_rewards in turn_rewards:
+            self.state.env_step += sum(len(r) for r in per_turn_rewards)
+        all_rewards = torch.cat([r for per_turn_rewards in turn_rewards for r in per_turn_rewards])
         metrics = {
             "train/reward_mean": float(all_rewards.mean()),
             "train/reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0,
@@ -516,9 +561,9 @@ class MAGRPOTrainer:
         }
         if self.args.num_turns > 1:
             metrics["train/return_mean"] = float(torch.cat(first_returns).mean())
-            for t, per_turn in enumerate(turn_rewards):
-                if per_turn:
-                    metrics[f"train/turn_{t + 1}/reward_mean"] = float(torch.cat(per_turn).mean())
+            for t, per_turn_rewards in enumerate(turn_rewards):
+                if per_turn_rewards:
+                    metrics[f"train/turn_{t + 1}/reward_mean"] = float(torch.cat(per_turn_rewards).mean())
         for a in range(self.num_agents):
             agent_lengths = torch.cat(lengths[a])
             metrics[f"agent_{a}/loss"] = losses[a] / total_groups
@@ -526,6 +571,28 @@ class MAGRPOTrainer:
             metrics[f"agent_{a}/completion_length_max"] = float(agent_lengths.max())
             metrics[f"agent_{a}/grad_norm"] = grad_norms[a]
         return metrics
+
+    def _merge_ranks(self, records: list[dict[str, Any]], losses: Optional[list[float]] = None):
+        """Every process's per-micro-batch results, in the order one process would have produced
+        them (micro-batch, turn, then rank = group order): ``(turn_rewards[t] -> [tensor],
+        first_returns -> [tensor], lengths[a] -> [tensor], summed losses)``."""
+        gathered = dist.gather_objects((records, losses), self.dist)
+        turn_rewards: list[list[torch.Tensor]] = [[] for _ in range(self.args.num_turns)]
+        first_returns: list[torch.Tensor] = []
+        lengths: list[list[torch.Tensor]] = [[] for _ in range(self.num_agents)]
+        for m in range(len(records)):
+            ranks = [rank_records[m] for rank_records, _ in gathered]
+            first_returns.extend(r["first_returns"] for r in ranks if r["first_returns"] is not None)
+            for t in range(self.args.num_turns):
+                for r in ranks:
+                    if t < len(r["rewards"]):
+                        turn_rewards[t].append(r["rewards"][t])
+                        for a in range(self.num_agents):
+                            lengths[a].append(r["lengths"][t][a])
+        summed = None
+        if losses is not None:
+            summed = [sum(rank_losses[a] for _, rank_losses in gathered) for a in range(self.num_agents)]
+        return turn_rewards, first_returns, lengths, summed
 
     # ------------------------------------------------------------------------------------------
     # evaluation
@@ -537,7 +604,8 @@ class MAGRPOTrainer:
         all). Eval samples come from their own seeds (the same at every evaluation, so evaluations
         compare like with like), and every global random state is restored afterwards, so a run
         with evaluation trains to exactly the same weights as one without. During ``train()`` the
-        result is logged under ``eval/`` at the current ``env_step``.
+        result is logged under ``eval/`` at the current ``env_step``. Under torchrun every process
+        must call it (each evaluates its share of the prompts; all get the same result).
 
         Returns:
             ``eval/reward_mean``, ``eval/reward_std``, ``eval/turn_1/reward_mean``,
@@ -548,21 +616,21 @@ class MAGRPOTrainer:
         count = num_samples if num_samples is not None else self.args.eval_num_samples
         indices = list(range(min(count or len(self.eval_rows), len(self.eval_rows))))
         rng_json, rng_tensors = ckpt.capture_rng_state()
-        turn_rewards: list[list[torch.Tensor]] = [[] for _ in range(self.args.num_turns)]
-        first_returns, lengths = [], [[] for _ in self.agents]
+        records = []
         try:
             for start in range(0, len(indices), self.args.train_batch_size):
-                batch = self._make_batch(indices[start:start + self.args.train_batch_size], "eval")
-                turns = self._episode(batch, self._eval_seed)
-                first_returns.append(discounted_returns([t.rewards for t in turns], [t.children for t in turns],
+                mine = dist.shard(indices[start:start + self.args.train_batch_size], self.dist)
+                turns = self._episode(self._make_batch(mine, "eval"), self._eval_seed) if mine else []
+                records.append({
+                    "rewards": [t.rewards for t in turns],
+                    "first_returns": discounted_returns([t.rewards for t in turns], [t.children for t in turns],
                                                         self.joint_per_group, self.args.discount,
-                                                        self.args.num_turns)[0])
-                for t, turn in enumerate(turns):
-                    turn_rewards[t].append(turn.rewards)
-                    for a, ro in enumerate(turn.rollouts):
-                        lengths[a].append(ro.lengths.float().cpu())
+                                                        self.args.num_turns)[0] if turns else None,
+                    "lengths": [[ro.lengths.float().cpu() for ro in t.rollouts] for t in turns],
+                })
         finally:
             ckpt.restore_rng_state(rng_json, rng_tensors)
+        turn_rewards, first_returns, lengths, _ = self._merge_ranks(records)
         all_rewards = torch.cat([r for per_turn in turn_rewards for r in per_turn])
         metrics = {
             "eval/reward_mean": float(all_rewards.mean()),
@@ -604,16 +672,23 @@ class MAGRPOTrainer:
         resumed_from = None
         if resume_from_checkpoint is not None:
             resumed_from = self._resume(Path(resume_from_checkpoint))
-        self._check_checkpoint_dir(checkpoint_dir)
+        dist.main_process_first_result(lambda: self._check_checkpoint_dir(checkpoint_dir), self.dist)
         total_epochs = self.args.num_train_epochs
         if self.state.epoch >= total_epochs:
             logger.warning("comlrl: %s already completed %d epoch(s) and num_train_epochs=%d; nothing to train. "
                            "Raise num_train_epochs to continue the run.", resumed_from, self.state.epoch, total_epochs)
             return {}
         metrics_path = Path(checkpoint_dir if checkpoint_dir is not None else self.args.output_dir) / "metrics.jsonl"
-        jsonl = JsonlSink(metrics_path, run_id=self.run_id,
-                          keep_until_step=self.state.env_step if resumed_from else None)
-        wandb_sink = self._open_wandb(resumed=resumed_from is not None)
+        # Metrics, W&B and the progress bar belong to rank 0; the others compute the same rows.
+        sinks: list[Any] = [None, None]
+
+        def open_sinks() -> None:
+            sinks[0] = JsonlSink(metrics_path, run_id=self.run_id,
+                                 keep_until_step=self.state.env_step if resumed_from else None)
+            sinks[1] = self._open_wandb(resumed=resumed_from is not None)
+
+        dist.main_process_first_result(open_sinks, self.dist)  # a failure stops every rank
+        jsonl, wandb_sink = sinks
         last: dict[str, float] = {}
         steps_per_epoch = self._steps_per_epoch()
         prompts_per_step = self.args.train_batch_size * self.args.gradient_accumulation_steps
@@ -622,7 +697,8 @@ class MAGRPOTrainer:
                     self.num_agents, self.args.joint_mode, self.args.num_turns,
                     prompts_per_step * self.nodes_per_prompt * self.args.num_generations,
                     prompts_per_step * self.joint_per_prompt, self.joint_per_prompt, steps_per_epoch)
-        progress = _progress(total=total_epochs * steps_per_epoch, initial=self.state.global_step)
+        progress = _progress(total=total_epochs * steps_per_epoch, initial=self.state.global_step,
+                             disable=not self.dist.is_main)
         try:
             while self.state.epoch < total_epochs:
                 epoch = self.state.epoch
@@ -653,18 +729,20 @@ class MAGRPOTrainer:
                         due_epoch = epoch_done and self.state.epoch % checkpoint_interval == 0
                         due_step = save_steps is not None and self.state.global_step % save_steps == 0
                         if due_epoch or due_step:
-                            jsonl.sync()  # the rows up to this checkpoint survive a power cut
+                            if jsonl is not None:
+                                jsonl.sync()  # the rows up to this checkpoint survive a power cut
                             self._save(checkpoint_dir, checkpoint_total_limit)
                     if epoch_done:
                         break
         finally:
             progress.close()
-            jsonl.close()
+            if jsonl is not None:
+                jsonl.close()
             if wandb_sink is not None:
                 wandb_sink.close()
         return last
 
-    def _accumulate_and_log(self, metrics: dict[str, float], epoch: float, jsonl: JsonlSink,
+    def _accumulate_and_log(self, metrics: dict[str, float], epoch: float, jsonl: Optional[JsonlSink],
                             wandb_sink: Optional[WandbSink], evaluation: Optional[dict[str, float]] = None
                             ) -> Optional[dict[str, float]]:
         """Add a step's metrics to the window; write one row on logging steps and eval steps."""
@@ -683,7 +761,8 @@ class MAGRPOTrainer:
         if not row:
             return None
         row.update(env_step=self.state.env_step, global_step=self.state.global_step, epoch=round(epoch, 6))
-        jsonl.log(row)
+        if jsonl is not None:
+            jsonl.log(row)
         if wandb_sink is not None:
             wandb_sink.log({k: v for k, v in row.items() if k != "env_step"}, step=self.state.env_step)
         return row
@@ -697,9 +776,12 @@ class MAGRPOTrainer:
         Each holds the model (``save_pretrained``: config + safetensors, or the adapter of a PEFT
         model) and its tokenizer, so ``AutoModelForCausalLM.from_pretrained(output_dir / "agent_0")``
         loads it back. The whole directory is written to a hidden sibling and renamed into place:
-        an interrupted save leaves the previous ``output_dir`` (if any) untouched.
+        an interrupted save leaves the previous ``output_dir`` (if any) untouched. Under torchrun,
+        every process calls it and rank 0 writes.
         """
-        target = Path(output_dir)
+        return dist.main_process_first_result(lambda: self._write_agents(Path(output_dir)), self.dist)
+
+    def _write_agents(self, target: Path) -> Path:
         if target.exists() and (not target.is_dir() or any(not re.fullmatch(r"agent_\d+", p.name)
                                                            for p in target.iterdir())):
             raise ConfigError(f"save_model: {target} exists and holds more than agent_* folders (metrics, "
@@ -801,9 +883,16 @@ class MAGRPOTrainer:
                 "fingerprints": self._fingerprints(),
                 "comlrl_version": _version(),
             }
-            path = ckpt.save_checkpoint(checkpoint_dir, number, self.agents, self.optimizers, self.schedulers, record)
-            if limit is not None:
-                ckpt.prune_checkpoints(checkpoint_dir, limit)
+            rng_states = dist.gather_objects(ckpt.capture_rng_state(), self.dist)  # every rank's
+
+            def write() -> Path:  # once, by rank 0; the weights are the same on every rank
+                saved = ckpt.save_checkpoint(checkpoint_dir, number, self.agents, self.optimizers, self.schedulers,
+                                             record, rng_states=rng_states)
+                if limit is not None:
+                    ckpt.prune_checkpoints(checkpoint_dir, limit)
+                return saved
+
+            path = dist.main_process_first_result(write, self.dist)
         # The save's cost shows up in the next logged row.
         self.state.log_window["timing/checkpoint"] = self.state.log_window.get("timing/checkpoint", 0.0) \
             + timer.seconds["checkpoint"]
@@ -816,7 +905,16 @@ class MAGRPOTrainer:
         differences = compare_fingerprints(saved.get("fingerprints", {}), self._fingerprints())
         if differences:
             raise ResumeMismatchError(str(path), differences)
-        loaded = ckpt.load_checkpoint(path, self.agents, self.optimizers, self.schedulers)
+        loaded = ckpt.load_checkpoint(path, self.agents, self.optimizers, self.schedulers, rank=self.dist.rank)
+        saved_world = int(loaded.get("world_size", 1))
+        if saved_world != self.dist.world_size and self.dist.is_main:
+            logger.warning(
+                "comlrl: %s was written by %d process(es) and resumes on %d. Allowed: the global batch, the "
+                "samples and the rewards are the same, but gradients are summed in another order, so the run "
+                "continues within float tolerance of the uninterrupted one, not bit for bit (same count: exact).%s",
+                path, saved_world, self.dist.world_size,
+                " Ranks the checkpoint has no random state for start from rank 0's." if self.dist.world_size >
+                saved_world else "")
         self.run_id = loaded["run_id"]
         fields = {f for f in TrainState.__dataclass_fields__}
         self.state = TrainState(**{k: loaded[k] for k in fields})
@@ -849,8 +947,8 @@ def _version() -> str:
     return __version__
 
 
-def _progress(total: int, initial: int):
+def _progress(total: int, initial: int, disable: bool = False):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, initial=initial, desc="MAGRPO", unit="step", dynamic_ncols=True,
-                disable=os.environ.get("COMLRL_DISABLE_PROGRESS") == "1")
+                disable=disable or os.environ.get("COMLRL_DISABLE_PROGRESS") == "1")

@@ -1,0 +1,72 @@
+"""Run by test_distributed.py, alone (`python dist_worker.py ...`) or under `torchrun`.
+
+Trains the seed task on the tiny model (optionally resuming), then writes the agents' weights and
+optimizer moments to ``<run>/final.safetensors`` (rank 0) and each rank's sampled completions to
+``<run>/rank<r>.json``.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from comlrl import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
+from comlrl.testing import tiny_model_dir  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import SEED_PROMPTS, length_ratio_reward  # noqa: E402
+
+torch.set_num_threads(1)
+parser = argparse.ArgumentParser()
+parser.add_argument("run_dir", type=Path)
+parser.add_argument("--epochs", type=int, default=2)
+parser.add_argument("--resume", default=None)
+parser.add_argument("--train-batch-size", type=int, default=4)
+parser.add_argument("--accumulation", type=int, default=1)
+parser.add_argument("--num-turns", type=int, default=1)
+parser.add_argument("--loss-type", default="grpo")
+parser.add_argument("--extra-prompt", action="store_true", help="5 prompts: the last micro-batch is uneven")
+parser.add_argument("--eval", action="store_true")
+opts = parser.parse_args()
+
+prompts = SEED_PROMPTS + (["Name a color:"] if opts.extra_prompt else [])
+multi_turn = opts.num_turns > 1
+
+
+def refine(agent_completions, prompt_history_per_agent, **_):
+    return [f"{h[0]} Draft: {c[:20]} Again:" for h, c in zip(prompt_history_per_agent, agent_completions)]
+
+
+path = tiny_model_dir()
+trainer = MAGRPOTrainer(
+    agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],
+    tokenizer=AutoTokenizer.from_pretrained(path),
+    reward_func=length_ratio_reward,
+    train_dataset=[{"prompt": p} for p in prompts],
+    eval_dataset=[{"prompt": p} for p in prompts] if opts.eval else None,
+    external_transition=refine if multi_turn else None,
+    args=MAGRPOConfig(num_train_epochs=opts.epochs, num_generations=4, max_new_tokens=10, logging_steps=1,
+                      agent_learning_rate=1e-3, output_dir=str(opts.run_dir / "out"), device="cpu",
+                      train_batch_size=opts.train_batch_size, gradient_accumulation_steps=opts.accumulation,
+                      num_turns=opts.num_turns, termination_threshold=0.5 if multi_turn else None,
+                      loss_type=opts.loss_type, eval_interval=1 if opts.eval else 0),
+)
+trainer.train(resume_from_checkpoint=opts.resume, checkpoint_dir=opts.run_dir / "ckpt")
+trainer.save_model(opts.run_dir / "saved")
+tensors = {f"{i}.{n}": p.detach().contiguous() for i, m in enumerate(trainer.agents) for n, p in m.named_parameters()}
+for i, opt in enumerate(trainer.optimizers):
+    for idx, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            tensors[f"{i}.opt.{idx}.{k}"] = v.detach().reshape(-1).contiguous()
+rank = trainer.dist.rank
+save_file(tensors, str(opts.run_dir / f"final-rank{rank}.safetensors"))
+(opts.run_dir / f"rank{rank}.json").write_text(json.dumps({"world_size": trainer.dist.world_size,
+                                                            "env_step": trainer.state.env_step}))

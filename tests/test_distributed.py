@@ -1,0 +1,125 @@
+"""Data parallel under torchrun (2 gloo processes on CPU) against one process.
+
+* 2 processes == 1 process with the same global batch (within float tolerance; same samples and
+  rewards), also for multi-turn with early termination, gradient accumulation, token_mean, an
+  uneven last micro-batch that leaves a rank idle, and evaluation;
+* a 2-process run resumed from its checkpoint == the uninterrupted 2-process run, bit for bit;
+* a 2-process checkpoint resumes on 1 process (allowed, said, within tolerance);
+* more processes than prompts per micro-batch is refused at start.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+TIMING = "timing/"
+
+
+def run(run_dir: Path, *args: str, procs: int = 1, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"] \
+        if procs > 1 else [sys.executable]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COMLRL_DISABLE_PROGRESS": "1"}
+    env.pop("WORLD_SIZE", None)
+    result = subprocess.run(launcher + [str(WORKER), str(run_dir), *args], capture_output=True, text=True,
+                            timeout=600, env=env)
+    if expect_ok:
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+def final(run_dir: Path, rank: int = 0) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / f"final-rank{rank}.safetensors"))
+
+
+def rows(run_dir: Path) -> list[dict]:
+    out = []
+    for line in (run_dir / "ckpt" / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out.append({k: v for k, v in row.items() if not k.startswith(TIMING) and k != "run_id"})
+    return out
+
+
+def assert_close_runs(a: Path, b: Path) -> None:
+    wa, wb = final(a), final(b)
+    assert wa.keys() == wb.keys()
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5, msg=key)
+    ra, rb = rows(a), rows(b)
+    assert len(ra) == len(rb)
+    for x, y in zip(ra, rb):
+        assert x.keys() == y.keys()
+        for key in x:
+            if "reward" in key or "return" in key or "length" in key or key in ("env_step", "global_step"):
+                assert x[key] == y[key], key  # the same samples, so the same rewards
+            else:
+                assert x[key] == pytest.approx(y[key], rel=1e-3, abs=1e-5), key
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    run(root / "one")
+    run(root / "two", procs=2)
+    return root
+
+
+def test_two_processes_match_one(runs):
+    assert_close_runs(runs / "one", runs / "two")
+    # Every rank holds identical weights and moments; the counters saw the whole global batch.
+    w0, w1 = final(runs / "two", 0), final(runs / "two", 1)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    for rank in (0, 1):
+        assert json.loads((runs / "two" / f"rank{rank}.json").read_text()) == {"world_size": 2, "env_step": 32}
+    # Written once: one metrics row per step, checkpoints and save_model output from rank 0.
+    assert [r["global_step"] for r in rows(runs / "two")] == [1, 2]
+    assert sorted(p.name for p in (runs / "two" / "ckpt").iterdir()) == \
+        ["checkpoint-1", "checkpoint-2", "metrics.jsonl"]
+    assert sorted(p.name for p in (runs / "two" / "saved").iterdir()) == ["agent_0", "agent_1"]
+    state = json.loads((runs / "two" / "ckpt" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["world_size"] == 2 and len(state["rng_other_ranks"]) == 1
+    assert any(k.startswith("rank1/") for k in load_file(str(runs / "two" / "ckpt" / "checkpoint-2" /
+                                                              "rng.safetensors")))
+
+
+def test_two_process_resume_is_exact(runs):
+    run(runs / "two-4", "--epochs", "4", procs=2)
+    resumed = runs / "two-resumed"
+    shutil.copytree(runs / "two", resumed)
+    run(resumed, "--epochs", "4", "--resume", str(resumed / "ckpt" / "checkpoint-2"), procs=2)
+    a, b = final(runs / "two-4"), final(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert rows(runs / "two-4") == rows(resumed)
+
+
+def test_resume_on_another_process_count(runs):
+    other = runs / "two-on-one"
+    shutil.copytree(runs / "two", other)
+    result = run(other, "--epochs", "4", "--resume", str(other / "ckpt" / "checkpoint-2"))
+    assert "written by 2 process(es) and resumes on 1" in result.stderr
+    if not (runs / "two-4").exists():
+        run(runs / "two-4", "--epochs", "4", procs=2)
+    assert_close_runs(runs / "two-4", other)
+
+
+def test_multi_turn_accumulation_uneven_batches_match(tmp_path):
+    args = ("--num-turns", "2", "--train-batch-size", "2", "--accumulation", "2", "--loss-type", "token_mean",
+            "--extra-prompt", "--eval")
+    run(tmp_path / "one", *args)
+    run(tmp_path / "two", *args, procs=2)
+    assert_close_runs(tmp_path / "one", tmp_path / "two")
+    assert any("eval/reward_mean" in r for r in rows(tmp_path / "two"))
+
+
+def test_more_processes_than_prompts_per_batch_is_refused(tmp_path):
+    result = run(tmp_path / "bad", "--train-batch-size", "1", procs=2, expect_ok=False)
+    assert result.returncode != 0
+    assert "train_batch_size=1" in result.stderr and "at least 2" in result.stderr
+    assert not (tmp_path / "bad" / "ckpt").exists()
