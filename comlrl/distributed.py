@@ -151,22 +151,31 @@ def broadcast_parameters(modules: Iterable[torch.nn.Module], ctx: DistContext) -
 
 
 def all_reduce_gradients(parameters: Sequence[torch.nn.Parameter], ctx: DistContext) -> None:
-    """Sum the gradients of ``parameters`` over ranks, in place, with one flat all-reduce.
+    """Sum the gradients of ``parameters`` over ranks, in place, one flat all-reduce per dtype.
 
-    A parameter without a gradient on this rank (it had no prompt, or the parameter was unused)
-    contributes zeros, and receives the sum if another rank had one, so every rank steps the same.
+    A parameter that has a gradient on some rank but not here (this rank had no prompt) takes
+    part with zeros and receives the sum, so every rank steps the same. One that has no gradient
+    on any rank keeps ``grad=None``, as in a single process (AdamW then leaves it alone).
     """
     if not ctx.enabled or not parameters:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for p, g in zip(parameters, grads):
-        n = g.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone() if p.grad is None else p.grad.copy_(
-            flat[offset:offset + n].view_as(p))
-        offset += n
+    device = _collective_device()
+    present = torch.tensor([p.grad is not None for p in parameters], dtype=torch.int32, device=device)
+    dist.all_reduce(present, op=dist.ReduceOp.MAX)
+    used = [p for p, flag in zip(parameters, present.tolist()) if flag]
+    for dtype in sorted({p.dtype for p in used}, key=str):
+        group = [p for p in used if p.dtype == dtype]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
+        flat = flat.to(device)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for p in group:
+            summed = flat[offset:offset + p.numel()].view_as(p).to(p.device)
+            if p.grad is None:
+                p.grad = summed.clone()
+            else:
+                p.grad.copy_(summed)
+            offset += p.numel()
 
 
 def _collective_device() -> torch.device:

@@ -15,6 +15,8 @@ __all__ = [
     "selected_log_probs",
     "sequence_log_probs",
     "policy_gradient_loss",
+    "aggregate_tokens",
+    "kl_penalty",
 ]
 
 
@@ -104,8 +106,21 @@ def policy_gradient_loss(
     Returns:
         Scalar loss; its gradient is ``-E[A * grad log pi]`` under the chosen normalisation.
     """
-    m = mask.to(log_probs.dtype)
-    per_token = -advantages.to(log_probs.dtype).unsqueeze(1) * log_probs * m
+    per_token = -advantages.to(log_probs.dtype).unsqueeze(1) * log_probs
+    return aggregate_tokens(per_token, mask, loss_type, max_new_tokens)
+
+
+def aggregate_tokens(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str = "grpo",
+                     max_new_tokens: int | None = None) -> torch.Tensor:
+    """Reduce ``[R, T]`` per-token values over the scored tokens ``mask`` to a scalar.
+
+    ``"grpo"``: mean over each row's scored tokens, then over rows; ``"token_mean"``: sum / number
+    of scored tokens; ``"dr_grpo"``: sum / (R * max_new_tokens). Unscored positions never count
+    (they are selected away, so a NaN or inf there cannot leak into the result).
+    """
+    mask = mask.bool()
+    m = mask.to(per_token.dtype)
+    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
     if loss_type == "grpo":
         return (per_token.sum(dim=1) / m.sum(dim=1).clamp(min=1)).mean()
     if loss_type == "token_mean":
@@ -113,5 +128,24 @@ def policy_gradient_loss(
     if loss_type == "dr_grpo":
         if max_new_tokens is None:
             raise ValueError("loss_type 'dr_grpo' needs max_new_tokens")
-        return per_token.sum() / (log_probs.shape[0] * max_new_tokens)
+        return per_token.sum() / (per_token.shape[0] * max_new_tokens)
     raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor, loss_type: str = "grpo",
+               max_new_tokens: int | None = None) -> torch.Tensor:
+    """KL(policy || reference) on the sampled tokens, aggregated like the loss.
+
+    Per token the "k3" estimator ``exp(ref - logp) - (ref - logp) - 1`` (Schulman 2020; as in
+    GRPO and TRL): unbiased for the KL of the sampled policy, never negative, and zero with zero
+    gradient where the policy equals the reference.
+
+    Args:
+        log_probs: ``[R, T]`` policy log-probs of the sampled tokens (with grad).
+        ref_log_probs: ``[R, T]`` the reference policy's log-probs of the same tokens (no grad).
+        mask: ``[R, T]`` bool, the tokens the loss scores.
+    Returns:
+        Scalar, reduced as :func:`aggregate_tokens` with ``loss_type``.
+    """
+    delta = ref_log_probs.to(log_probs.dtype) - log_probs
+    return aggregate_tokens(torch.exp(delta) - delta - 1.0, mask, loss_type, max_new_tokens)

@@ -123,3 +123,19 @@ def test_more_processes_than_prompts_per_batch_is_refused(tmp_path):
     assert result.returncode != 0
     assert "train_batch_size=1" in result.stderr and "at least 2" in result.stderr
     assert not (tmp_path / "bad" / "ckpt").exists()
+
+
+def test_data_parallel_example_with_lora_and_kl(tmp_path):
+    """examples/data_parallel.py as docs/scaling.md runs it: 2 processes, LoRA agents, KL, resume."""
+    example = Path(__file__).parents[1] / "examples" / "data_parallel.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COMLRL_DISABLE_PROGRESS": "1"}
+    env.pop("WORLD_SIZE", None)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(example),
+                "--workdir", str(tmp_path), "--lora", "--kl", "0.05"]
+    for extra in (["--epochs", "2"], ["--epochs", "3", "--resume"]):
+        result = subprocess.run(launcher + extra, capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stderr[-4000:]
+    assert "2 process(es): reward" in result.stdout and "after 3 steps" in result.stdout
+    logged = [json.loads(line) for line in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["global_step"] for r in logged] == [1, 2, 3] and all("agent_1/kl" in r for r in logged)
+    assert (tmp_path / "final" / "agent_1" / "adapter_config.json").is_file()

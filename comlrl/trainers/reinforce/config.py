@@ -31,6 +31,8 @@ _ALIASES = {
     "max_completion_length": "max_new_tokens",
     "scale_rewards": "advantage_normalization",
     "group_size": "num_generations",
+    "beta": "reference_kl_coef",
+    "kl_coef": "reference_kl_coef",
 }
 
 
@@ -90,6 +92,7 @@ class MAGRPOConfig:
     max_joint_actions: int = _fixed(4096, "Refuse settings scoring more joint actions per prompt, all turns together (K**N per node in cross mode, J**t nodes at turn t).")
     advantage_mode: str = _fixed("mean", "Baseline: 'mean' (r - group mean), 'raw' (r), 'max' (r - group max), 'rloo'.")
     advantage_normalization: bool = _fixed(False, "Divide advantages by the group's reward std (GRPO's scaling).")
+    reference_kl_coef: float = _fixed(0.0, "Weight of a KL penalty to each agent's initial policy, on the tokens the loss scores (k3 estimator); 0 = off.")
     loss_type: str = _fixed("grpo", "'grpo': mean over a completion's tokens, then over completions; "
                                     "'token_mean': mean over all tokens; 'dr_grpo': sum / max_new_tokens.")
 
@@ -131,6 +134,7 @@ class MAGRPOConfig:
         _check_choice(self, "advantage_mode", ADVANTAGE_MODES)
         _check_choice(self, "loss_type", LOSS_TYPES)
         _check_float(self, "discount", lambda v: 0 <= v <= 1, "in [0, 1]")
+        _check_float(self, "reference_kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL penalty)")
         if self.termination_threshold is not None:
             _check_float(self, "termination_threshold", lambda v: True, "(finite)")
         for name in ("device",) + (("agent_devices",) if self.agent_devices is not None else ()):

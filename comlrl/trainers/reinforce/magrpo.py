@@ -28,6 +28,7 @@ import torch
 from ... import checkpoint as ckpt
 from ... import distributed as dist
 from ..._io import fsync_tree, move_into_place
+from ...adapters import AdapterAgent, base_fingerprint, build_lora_agents
 from ...advantages import group_advantages
 from ...exceptions import CheckpointDirError, ConfigError, DataError, ResumeMismatchError, TokenizerError
 from ...fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint, model_fingerprint,
@@ -35,7 +36,7 @@ from ...fingerprint import (callable_fingerprint, compare_fingerprints, dataset_
 from ...episode import ExternalTransition, Node, Turn, discounted_returns, tree_size
 from ...joint import cross_combinations, cross_returns, joint_actions_per_group
 from ...logging import JsonlSink, WandbSink, check_wandb_config
-from ...losses import policy_gradient_loss, sequence_log_probs
+from ...losses import kl_penalty, policy_gradient_loss, sequence_log_probs
 from ...rewards import RewardFunction
 from ...rollout import Rollout, SamplingParams, derive_seed, rollout
 from ...timing import PhaseTimer
@@ -90,6 +91,9 @@ class MAGRPOTrainer:
             ``eval_interval`` optimizer steps during training when that is > 0.
         external_transition: for ``num_turns > 1``: turns a joint answer into the agents' next
             prompts (see :class:`comlrl.episode.ExternalTransition` for its keyword arguments).
+        peft_config: a ``peft.LoraConfig``: the ``num_agents`` agents become LoRA adapters on ONE
+            frozen copy of ``agent_model`` (see :mod:`comlrl.adapters`); checkpoints then hold the
+            adapters and their optimizer state only, and the base by fingerprint.
     """
 
     config_class: type[MAGRPOConfig] = MAGRPOConfig
@@ -109,6 +113,7 @@ class MAGRPOTrainer:
         reward_processor: Optional[Callable[[float], float]] = None,
         eval_dataset: Any = None,
         external_transition: Optional[Callable[..., Sequence[str]]] = None,
+        peft_config: Any = None,
     ):
         if args is None:
             args = self.config_class()
@@ -121,7 +126,7 @@ class MAGRPOTrainer:
         self.args = args
         self.wandb_config = check_wandb_config(wandb_config)
         self.dist = dist.init_distributed()  # one process unless launched by torchrun
-        self.agents, tokenizer = self._resolve_agents(agent_model, agents, num_agents, tokenizer)
+        self.agents, tokenizer = self._resolve_agents(agent_model, agents, num_agents, tokenizer, peft_config)
         self.num_agents = len(self.agents)
         self.tokenizers = self._resolve_tokenizers(tokenizer)
         self.eos_token_ids = [self._eos_ids(m, t) for m, t in zip(self.agents, self.tokenizers)]
@@ -170,13 +175,24 @@ class MAGRPOTrainer:
                               "give exactly one per agent.")
         self.agent_devices = [self._resolve_device(d) for d in args.agent_devices] if args.agent_devices \
             else [self._resolve_device(args.device)] * self.num_agents
+        shared = {}
+        for model, device in zip(self.agents, self.agent_devices):
+            if isinstance(model, AdapterAgent) and shared.setdefault(id(model.shared), device) != device:
+                raise ConfigError(f"LoRA agents share one base model, so they run on one device; agent_devices "
+                                  f"puts them on {shared[id(model.shared)]} and {device}. Give them the same "
+                                  "device, or train full models to spread agents over devices.")
         self.device = self.agent_devices[0]  # timers synchronise here
         for model, device in zip(self.agents, self.agent_devices):
             model.to(device)
         dist.broadcast_parameters(self.agents, self.dist)  # every rank starts from rank 0's weights
+        # The KL penalty's reference: each agent's initial policy, frozen. Never checkpointed (a
+        # resumed run rebuilds it from the same initial models, which the fingerprint checks).
+        self.references: list[Optional[torch.nn.Module]] = [
+            None if isinstance(m, AdapterAgent) else copy.deepcopy(m).eval().requires_grad_(False)
+            for m in self.agents] if args.reference_kl_coef else [None] * self.num_agents
         set_seed(args.seed)
         self.optimizers = [
-            torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=args.agent_learning_rate,
+            torch.optim.AdamW(self._trainable(m), lr=args.agent_learning_rate,
                               betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                               weight_decay=args.weight_decay)
             for m in self.agents
@@ -194,9 +210,12 @@ class MAGRPOTrainer:
     # ------------------------------------------------------------------------------------------
     # construction helpers
     # ------------------------------------------------------------------------------------------
-    def _resolve_agents(self, agent_model, agents, num_agents, tokenizer):
+    def _resolve_agents(self, agent_model, agents, num_agents, tokenizer, peft_config=None):
         if (agent_model is None) == (agents is None):
             raise ConfigError("Pass exactly one of agents=[model, ...] or agent_model=<path or model> (+ num_agents).")
+        if peft_config is not None and agents is not None:
+            raise ConfigError("peft_config makes the agents LoRA adapters on one shared base: pass "
+                              "agent_model=<path or model> and num_agents instead of agents=[...].")
         if agents is not None:
             agents = list(agents)
             if not agents:
@@ -214,14 +233,19 @@ class MAGRPOTrainer:
         count = 2 if num_agents is None else num_agents
         if not isinstance(count, int) or count < 1:
             raise ConfigError(f"num_agents must be an int >= 1, got {num_agents!r}.")
-        if isinstance(agent_model, torch.nn.Module):
-            return [agent_model] + [copy.deepcopy(agent_model) for _ in range(count - 1)], tokenizer
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        models = [AutoModelForCausalLM.from_pretrained(agent_model) for _ in range(count)]
-        if tokenizer is None:
+        if tokenizer is None and not isinstance(agent_model, torch.nn.Module):
             tokenizer = AutoTokenizer.from_pretrained(agent_model)
-        return models, tokenizer
+        if peft_config is not None:
+            # One base in memory, one adapter per agent; adapters initialised from the run's seed.
+            base = agent_model if isinstance(agent_model, torch.nn.Module) \
+                else AutoModelForCausalLM.from_pretrained(agent_model)
+            set_seed(self.args.seed)
+            return build_lora_agents(base, peft_config, count), tokenizer
+        if isinstance(agent_model, torch.nn.Module):
+            return [agent_model] + [copy.deepcopy(agent_model) for _ in range(count - 1)], tokenizer
+        return [AutoModelForCausalLM.from_pretrained(agent_model) for _ in range(count)], tokenizer
 
     def _resolve_tokenizers(self, tokenizer) -> list[Any]:
         if tokenizer is None:
@@ -257,6 +281,14 @@ class MAGRPOTrainer:
                     "tokenizer; pass one tokenizer per agent: tokenizer=[tok_for_agent0, tok_for_agent1, ...]."
                 )
         return tokenizers
+
+    @staticmethod
+    def _trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ConfigError(f"{type(model).__name__} has no trainable parameter (all requires_grad=False); "
+                              "unfreeze what the agent should learn.")
+        return params
 
     @staticmethod
     def _eos_ids(model, tok) -> list[int]:
@@ -465,7 +497,10 @@ class MAGRPOTrainer:
                                   self.num_agents)
         return list(per_agent)
 
-    def _backward(self, agent: int, ro: Rollout, advantages: torch.Tensor, weight: float) -> float:
+    def _backward(self, agent: int, ro: Rollout, advantages: torch.Tensor, weight: float) -> tuple[float, float]:
+        """Back-propagate ``weight *`` agent ``agent``'s loss on rollout ``ro``: the policy-gradient
+        loss, plus ``reference_kl_coef *`` the KL to its initial policy when that is on.
+        Returns (the loss, the KL) unweighted."""
         model = self.agents[agent]
         # Eval mode, as during sampling: the gradient must be that of the policy that sampled
         # (dropout would make it another policy's, biasing the ratio-1 on-policy loss).
@@ -473,8 +508,26 @@ class MAGRPOTrainer:
         logp = sequence_log_probs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, self.args.temperature)
         loss = policy_gradient_loss(logp, advantages.to(logp.device), ro.completion_mask, self.args.loss_type,
                                     self.args.max_new_tokens)
+        kl = 0.0
+        if self.args.reference_kl_coef:
+            penalty = kl_penalty(logp, self._reference_log_probs(agent, ro), ro.completion_mask, self.args.loss_type,
+                                 self.args.max_new_tokens)
+            loss = loss + self.args.reference_kl_coef * penalty
+            kl = float(penalty.detach())
         (loss * weight).backward()
-        return float(loss.detach())
+        return float(loss.detach()), kl
+
+    def _reference_log_probs(self, agent: int, ro: Rollout) -> torch.Tensor:
+        """``[R, T]`` log-probs of ``ro``'s completions under agent ``agent``'s initial policy: its
+        frozen copy, or for a LoRA agent the shared base with adapters disabled (no copy)."""
+        with torch.no_grad():
+            reference = self.references[agent]
+            if reference is None:  # an adapter agent: the base is its initial policy
+                with self.agents[agent].reference():
+                    return sequence_log_probs(self.agents[agent], ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                              self.args.temperature)
+            return sequence_log_probs(reference, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                      self.args.temperature)
 
     def _apply_gradients(self) -> list[float]:
         """Sum gradients over processes, then clip, step and zero every agent; returns the pre-clip
@@ -512,7 +565,8 @@ class MAGRPOTrainer:
         the gradients summed over processes equal the one-process gradient of the whole micro-batch.
         """
         total_groups = sum(len(mb) for mb in micro_batches)
-        records, losses = [], [0.0] * self.num_agents
+        records = []
+        losses = [0.0] * (2 * self.num_agents)  # agent a's objective at [a], its KL at [N + a]
         per_turn = 1 + self.num_agents
         for indices in micro_batches:
             mine = dist.shard(indices, self.dist)
@@ -537,8 +591,9 @@ class MAGRPOTrainer:
                         d = t * per_turn + (1 + a if self.args.loss_type == "token_mean" else 0)
                         part = local[d] / totals[d] if totals[d] else 0.0  # this process's part of the loss
                         weight = share * len(indices) / total_groups * part
-                        loss = self._backward(a, ro, advantages[t][a], weight)
+                        loss, kl = self._backward(a, ro, advantages[t][a], weight)
                         losses[a] += loss * part * share * len(indices)
+                        losses[self.num_agents + a] += kl * part * share * len(indices)
             records.append({
                 "rewards": [t.rewards for t in turns],
                 "first_returns": returns[0] if turns else None,
@@ -567,6 +622,8 @@ class MAGRPOTrainer:
         for a in range(self.num_agents):
             agent_lengths = torch.cat(lengths[a])
             metrics[f"agent_{a}/loss"] = losses[a] / total_groups
+            if self.args.reference_kl_coef:
+                metrics[f"agent_{a}/kl"] = losses[self.num_agents + a] / total_groups
             metrics[f"agent_{a}/completion_length"] = float(agent_lengths.mean())
             metrics[f"agent_{a}/completion_length_max"] = float(agent_lengths.max())
             metrics[f"agent_{a}/grad_norm"] = grad_norms[a]
@@ -591,7 +648,7 @@ class MAGRPOTrainer:
                             lengths[a].append(r["lengths"][t][a])
         summed = None
         if losses is not None:
-            summed = [sum(rank_losses[a] for _, rank_losses in gathered) for a in range(self.num_agents)]
+            summed = [sum(rank_losses[i] for _, rank_losses in gathered) for i in range(len(losses))]
         return turn_rewards, first_returns, lengths, summed
 
     # ------------------------------------------------------------------------------------------
@@ -770,18 +827,23 @@ class MAGRPOTrainer:
     # ------------------------------------------------------------------------------------------
     # saving for use
     # ------------------------------------------------------------------------------------------
-    def save_model(self, output_dir: Union[str, os.PathLike]) -> Path:
+    def save_model(self, output_dir: Union[str, os.PathLike], merge_adapters: bool = False) -> Path:
         """Write every agent as a standard transformers directory, ``output_dir/agent_i``.
 
-        Each holds the model (``save_pretrained``: config + safetensors, or the adapter of a PEFT
-        model) and its tokenizer, so ``AutoModelForCausalLM.from_pretrained(output_dir / "agent_0")``
-        loads it back. The whole directory is written to a hidden sibling and renamed into place:
-        an interrupted save leaves the previous ``output_dir`` (if any) untouched. Under torchrun,
-        every process calls it and rank 0 writes.
+        Each holds the model and its tokenizer, so ``AutoModelForCausalLM.from_pretrained(output_dir
+        / "agent_0")`` loads it back. LoRA agents are written as PEFT adapter directories
+        (``PeftModel.from_pretrained(base, output_dir / "agent_0")``), or with
+        ``merge_adapters=True`` as plain models with the adapter merged into a copy of the base.
+        The whole directory is written to a hidden sibling and renamed into place: an interrupted
+        save leaves the previous ``output_dir`` (if any) untouched. Under torchrun, every process
+        calls it and rank 0 writes.
         """
-        return dist.main_process_first_result(lambda: self._write_agents(Path(output_dir)), self.dist)
+        if not isinstance(merge_adapters, bool):
+            raise ConfigError(f"merge_adapters must be True or False, got {merge_adapters!r}.")
+        return dist.main_process_first_result(lambda: self._write_agents(Path(output_dir), merge_adapters),
+                                              self.dist)
 
-    def _write_agents(self, target: Path) -> Path:
+    def _write_agents(self, target: Path, merge_adapters: bool) -> Path:
         if target.exists() and (not target.is_dir() or any(not re.fullmatch(r"agent_\d+", p.name)
                                                            for p in target.iterdir())):
             raise ConfigError(f"save_model: {target} exists and holds more than agent_* folders (metrics, "
@@ -790,7 +852,10 @@ class MAGRPOTrainer:
         tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
         try:
             for i, (model, tokenizer) in enumerate(zip(self.agents, self.tokenizers)):
-                model.save_pretrained(tmp / f"agent_{i}")
+                if isinstance(model, AdapterAgent):
+                    model.save_pretrained(tmp / f"agent_{i}", merged=merge_adapters)
+                else:
+                    model.save_pretrained(tmp / f"agent_{i}")
                 tokenizer.save_pretrained(tmp / f"agent_{i}")
             fsync_tree(tmp)
             move_into_place(tmp, target)  # replaces an earlier save_model only after the new one is whole
@@ -860,12 +925,17 @@ class MAGRPOTrainer:
             "config": {k: v for k, v in self.args.to_dict().items() if k not in RESUMABLE_FIELDS},
             "num_agents": self.num_agents,
             "models": [model_fingerprint(m) for m in self.agents],
+            **({"lora_bases": [base_fingerprint(m.shared) for m in self.agents]}
+               if any(isinstance(m, AdapterAgent) for m in self.agents) else {}),
             "tokenizers": [tokenizer_fingerprint(t) for t in self.tokenizers],
             "dataset": dataset_fingerprint(self.train_rows),
             "reward_func": callable_fingerprint(self.reward.func),
             "reward_processor": callable_fingerprint(self.reward.processor),
             "formatters": [callable_fingerprint(f) for f in self.formatters],
             "external_transition": callable_fingerprint(self.transition.func if self.transition else None),
+            **({"references": [base_fingerprint(r if r is not None else m.shared)
+                               for r, m in zip(self.references, self.agents)]}
+               if self.args.reference_kl_coef else {}),
         }
 
     def _save(self, checkpoint_dir, limit: Optional[int]) -> Path:
