@@ -40,11 +40,13 @@ import torch
 from .exceptions import ConfigError
 from .fingerprint import _VOLATILE_CONFIG_KEYS, digest
 
-__all__ = ["AdapterAgent", "build_lora_agents", "base_fingerprint"]
+__all__ = ["AdapterAgent", "build_lora_agents", "base_fingerprint", "starts_at_base"]
 
 _INSTALL_HINT = "pip install 'comlrl[peft]'"
 # Values hashed per base tensor by base_fingerprint: the first, the last and an evenly strided sample.
 _SAMPLE = 2048
+# LoRA initialisations that subtract the adapter's initial product from the base weights.
+_BASE_CHANGING_INITS = ("pissa", "olora", "loftq", "corda", "eva")
 
 
 def _import_peft():
@@ -110,10 +112,27 @@ def _check_peft_config(peft, peft_config: Any) -> None:
     if task is not None and str(getattr(task, "value", task)) != "CAUSAL_LM":
         raise ConfigError(f"peft_config.task_type is {task!r}; agents are causal LMs: use task_type='CAUSAL_LM' "
                           "(or leave it None).")
+    init = getattr(peft_config, "init_lora_weights", True)
+    if isinstance(init, str) and init.split("_")[0].lower() in _BASE_CHANGING_INITS:
+        raise ConfigError(f"peft_config.init_lora_weights={init!r} rewrites the base weights when an adapter is "
+                          "added, but all agents share one base: each agent's adapter would change it for the "
+                          "others. Use the default init (init_lora_weights=True) or 'gaussian'.")
     bias = getattr(peft_config, "bias", "none")
     if bias != "none":
         raise ConfigError(f"peft_config.bias={bias!r} trains bias vectors of the base model, which all agents "
                           "share: one agent's update would change every agent. Use bias='none'.")
+
+
+def starts_at_base(agent: "AdapterAgent") -> bool:
+    """True if the agent's adapter adds nothing yet (every LoRA ``B`` matrix is zero, peft's default
+    init), so that the base model with adapters disabled is the agent's initial policy."""
+    found = False
+    for name, param in agent.named_parameters():
+        if "lora_B" in name or "lora_embedding_B" in name:
+            found = True
+            if bool(param.detach().any()):
+                return False
+    return found
 
 
 def _no_match_message(base: torch.nn.Module, peft_config: Any) -> str:

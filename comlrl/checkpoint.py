@@ -25,13 +25,15 @@ import random
 import re
 import shutil
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, load_model, save_file, save_model
+from safetensors.torch import _remove_duplicate_names, load_file, load_model
+from safetensors.torch import save as safetensors_save
 
 from .exceptions import CheckpointError
 from ._io import fsync_dir, fsync_tree, move_into_place
@@ -205,17 +207,68 @@ def _join_optimizer_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]
 
 # --- save / load ---------------------------------------------------------------------------------
 
-def save_checkpoint(directory: str | os.PathLike, number: int, models: Sequence[torch.nn.Module],
-                    optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any],
-                    state: dict[str, Any],
-                    rng_states: Optional[Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]] = None) -> Path:
-    """Write ``directory/checkpoint-{number}`` atomically and return its path.
+@dataclass
+class Snapshot:
+    """Everything a checkpoint will hold, copied out of the live training state.
 
-    ``state`` is the trainer's JSON-ready record (counters, config, fingerprints, ...); this
-    function adds RNG states, optimizer/scheduler hyper-state and the file manifest.
-    ``rng_states``: every rank's :func:`capture_rng_state` in rank order (data parallel); None =
-    this process's only. Rank 0's are stored as in a one-process checkpoint, rank r's tensors under
-    ``rank{r}/...`` and its JSON part in ``rng_other_ranks[r - 1]``.
+    Taking it is quick (tensor copies in memory); writing it (:func:`write_checkpoint`) is the slow
+    part and may then run while training goes on, since nothing here changes when training does.
+    """
+
+    record: dict[str, Any]                                      # the JSON state, without the manifest
+    files: dict[str, tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]]  # path -> (tensors, metadata)
+
+
+def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]:
+    """A CPU copy of the state dict with tied tensors stored once, as ``safetensors.torch.save_model``
+    writes it (so ``load_model`` reads it back the same way)."""
+    state_dict = model.state_dict()
+    metadata: Optional[dict[str, str]] = None
+    for kept, removed in _remove_duplicate_names(state_dict).items():
+        for name in removed:
+            metadata = metadata or {}
+            metadata.setdefault(name, kept)
+            del state_dict[name]
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}, metadata
+
+
+def snapshot_checkpoint(number: int, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                        schedulers: Sequence[Any], state: dict[str, Any],
+                        rng_states: Optional[Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]] = None
+                        ) -> Snapshot:
+    """Copy what checkpoint ``number`` will hold (see :func:`save_checkpoint` for the arguments)."""
+    record = json.loads(json.dumps(state))  # a frozen copy: the live state keeps changing
+    record["format_version"] = FORMAT_VERSION
+    record["checkpoint"] = number
+    ranks = list(rng_states) if rng_states is not None else [capture_rng_state()]
+    record["world_size"] = len(ranks)
+    record["rng"] = ranks[0][0]
+    record["rng_other_ranks"] = [json_part for json_part, _ in ranks[1:]]
+    rng_tensors = {k: v.clone() for k, v in ranks[0][1].items()}
+    for r, (_, tensors) in enumerate(ranks[1:], start=1):
+        rng_tensors.update({f"rank{r}/{k}": v.clone() for k, v in tensors.items()})
+    files: dict[str, tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]] = {"rng.safetensors": (rng_tensors, None)}
+    record["optimizers"] = []
+    for i, (model, optimizer) in enumerate(zip(models, optimizers)):
+        files[f"agent-{i}/model.safetensors"] = _model_tensors(model)
+        meta, tensors = _split_optimizer_state(optimizer.state_dict())
+        files[f"agent-{i}/optimizer.safetensors"] = ({k: v.clone() for k, v in tensors.items()}, None)
+        record["optimizers"].append(json.loads(json.dumps(meta)))
+    record["schedulers"] = [json.loads(json.dumps(s.state_dict())) for s in schedulers]
+    return Snapshot(record, files)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """One file of a checkpoint (a seam for the tests that kill a save half-way)."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+
+
+def write_checkpoint(directory: str | os.PathLike, number: int, snapshot: Snapshot) -> Path:
+    """Write ``snapshot`` as ``directory/checkpoint-{number}`` atomically and return its path.
+
+    Files are serialised in memory, hashed from those bytes (no read-back) and written into a hidden
+    temporary directory, which is fsynced and then renamed into place.
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -223,29 +276,15 @@ def save_checkpoint(directory: str | os.PathLike, number: int, models: Sequence[
     tmp = directory / f".tmp-checkpoint-{number}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        record = dict(state)
-        record["format_version"] = FORMAT_VERSION
-        record["checkpoint"] = number
-        ranks = list(rng_states) if rng_states is not None else [capture_rng_state()]
-        record["world_size"] = len(ranks)
-        record["rng"] = ranks[0][0]
-        record["rng_other_ranks"] = [json_part for json_part, _ in ranks[1:]]
-        rng_tensors = dict(ranks[0][1])
-        for r, (_, tensors) in enumerate(ranks[1:], start=1):
-            rng_tensors.update({f"rank{r}/{k}": v for k, v in tensors.items()})
-        save_file(rng_tensors, str(tmp / "rng.safetensors"))
-        record["optimizers"], record["schedulers"] = [], []
-        for i, (model, optimizer) in enumerate(zip(models, optimizers)):
-            agent_dir = tmp / f"agent-{i}"
-            agent_dir.mkdir()
-            save_model(model, str(agent_dir / "model.safetensors"))
-            meta, tensors = _split_optimizer_state(optimizer.state_dict())
-            save_file(tensors, str(agent_dir / "optimizer.safetensors"))
-            record["optimizers"].append(meta)
-        record["schedulers"] = [s.state_dict() for s in schedulers]
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        record["files"] = {f.relative_to(tmp).as_posix(): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-                           for f in files}
+        record = dict(snapshot.record)
+        manifest = {}
+        for rel, (tensors, metadata) in snapshot.files.items():
+            data = safetensors_save(tensors, metadata=metadata)
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_bytes(target, data)
+            manifest[rel] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        record["files"] = dict(sorted(manifest.items()))
         state_file = tmp / STATE_FILE
         with open(state_file, "w", encoding="utf-8") as handle:
             json.dump(record, handle, indent=1, sort_keys=True)
@@ -257,6 +296,23 @@ def save_checkpoint(directory: str | os.PathLike, number: int, models: Sequence[
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def save_checkpoint(directory: str | os.PathLike, number: int, models: Sequence[torch.nn.Module],
+                    optimizers: Sequence[torch.optim.Optimizer], schedulers: Sequence[Any],
+                    state: dict[str, Any],
+                    rng_states: Optional[Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]] = None) -> Path:
+    """Write ``directory/checkpoint-{number}`` atomically and return its path.
+
+    ``state`` is the trainer's JSON-ready record (counters, config, fingerprints, ...); this
+    function adds RNG states, optimizer/scheduler hyper-state and the file manifest.
+    ``rng_states``: every rank's :func:`capture_rng_state` in rank order (data parallel); None =
+    this process's only. Rank 0's are stored as in a one-process checkpoint, rank r's tensors under
+    ``rank{r}/...`` and its JSON part in ``rng_other_ranks[r - 1]``.
+    Equivalent to :func:`write_checkpoint` of :func:`snapshot_checkpoint`.
+    """
+    return write_checkpoint(directory, number, snapshot_checkpoint(number, models, optimizers, schedulers, state,
+                                                                   rng_states))
 
 
 def load_checkpoint(path: str | os.PathLike, models: Sequence[torch.nn.Module],

@@ -62,15 +62,18 @@ def _env_int(name: str) -> int:
                           "(which sets RANK, LOCAL_RANK and WORLD_SIZE), or unset WORLD_SIZE.") from None
 
 
-def init_distributed(backend: str | None = None) -> DistContext:
+def init_distributed(backend: str | None = None, use_cuda: bool | None = None) -> DistContext:
     """Join the process group ``torchrun`` describes in the environment; single process otherwise.
 
-    The backend is NCCL when CUDA is available, else gloo. An already initialised group (e.g. by
-    the user's own script) is used as it is. With CUDA, each process is pinned to
-    ``cuda:LOCAL_RANK``.
+    The backend is NCCL when the agents train on CUDA (``use_cuda``; default: CUDA is available),
+    else gloo. An already initialised group (e.g. by the user's own script) is used as it is. With
+    CUDA, each process is pinned to ``cuda:LOCAL_RANK``.
     """
+    cuda = torch.cuda.is_available() if use_cuda is None else (use_cuda and torch.cuda.is_available())
     if dist.is_available() and dist.is_initialized():
         local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        if cuda:
+            torch.cuda.set_device(local % torch.cuda.device_count())
         return DistContext(dist.get_rank(), dist.get_world_size(), local)
     world = int(os.environ.get("WORLD_SIZE", "1") or "1")
     if world <= 1:
@@ -78,7 +81,6 @@ def init_distributed(backend: str | None = None) -> DistContext:
     if not dist.is_available():
         raise ConfigError("WORLD_SIZE > 1 but this torch build has no torch.distributed support.")
     rank, local = _env_int("RANK"), _env_int("LOCAL_RANK")
-    cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(local % torch.cuda.device_count())
     dist.init_process_group(backend=backend or ("nccl" if cuda else "gloo"))
@@ -150,12 +152,16 @@ def broadcast_parameters(modules: Iterable[torch.nn.Module], ctx: DistContext) -
             dist.broadcast(tensor.data, src=0)
 
 
+BUCKET_BYTES = 64 * 2**20  # gradients are summed in buckets of about this size (DDP's default is 25 MB)
+
+
 def all_reduce_gradients(parameters: Sequence[torch.nn.Parameter], ctx: DistContext) -> None:
-    """Sum the gradients of ``parameters`` over ranks, in place, one flat all-reduce per dtype.
+    """Sum the gradients of ``parameters`` over ranks, in place, in flat buckets of ``BUCKET_BYTES``.
 
     A parameter that has a gradient on some rank but not here (this rank had no prompt) takes
     part with zeros and receives the sum, so every rank steps the same. One that has no gradient
-    on any rank keeps ``grad=None``, as in a single process (AdamW then leaves it alone).
+    on any rank keeps ``grad=None``, as in a single process (AdamW then leaves it alone). Extra
+    memory: one bucket, not a second copy of all gradients.
     """
     if not ctx.enabled or not parameters:
         return
@@ -163,18 +169,24 @@ def all_reduce_gradients(parameters: Sequence[torch.nn.Parameter], ctx: DistCont
     present = torch.tensor([p.grad is not None for p in parameters], dtype=torch.int32, device=device)
     dist.all_reduce(present, op=dist.ReduceOp.MAX)
     used = [p for p, flag in zip(parameters, present.tolist()) if flag]
-    for dtype in sorted({p.dtype for p in used}, key=str):
-        group = [p for p in used if p.dtype == dtype]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
-        flat = flat.to(device)
+    for p in used:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    buckets: list[list[torch.nn.Parameter]] = []
+    size = 0
+    for p in sorted(used, key=lambda q: str(q.dtype)):  # stable: the same order on every rank
+        nbytes = p.numel() * p.element_size()
+        if not buckets or buckets[-1][0].dtype != p.dtype or size + nbytes > BUCKET_BYTES:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    for bucket in buckets:
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket]).to(device)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         offset = 0
-        for p in group:
-            summed = flat[offset:offset + p.numel()].view_as(p).to(p.device)
-            if p.grad is None:
-                p.grad = summed.clone()
-            else:
-                p.grad.copy_(summed)
+        for p in bucket:
+            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
 
 

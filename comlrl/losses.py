@@ -134,11 +134,12 @@ def aggregate_tokens(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor, loss_type: str = "grpo",
                max_new_tokens: int | None = None) -> torch.Tensor:
-    """KL(policy || reference) on the sampled tokens, aggregated like the loss.
+    """A KL penalty between the policy and a reference on the sampled tokens, aggregated like the loss.
 
     Per token the "k3" estimator ``exp(ref - logp) - (ref - logp) - 1`` (Schulman 2020; as in
-    GRPO and TRL): unbiased for the KL of the sampled policy, never negative, and zero with zero
-    gradient where the policy equals the reference.
+    GRPO and TRL): on samples of the policy its value estimates KL(policy || reference) without
+    bias; never negative, and zero with zero gradient where the policy equals the reference. (As a
+    loss on fixed samples its gradient is that of KL(reference || policy), as in GRPO and TRL.)
 
     Args:
         log_probs: ``[R, T]`` policy log-probs of the sampled tokens (with grad).
@@ -147,5 +148,8 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch
     Returns:
         Scalar, reduced as :func:`aggregate_tokens` with ``loss_type``.
     """
-    delta = ref_log_probs.to(log_probs.dtype) - log_probs
+    mask = mask.bool()
+    # Unscored positions are zeroed before exp: masking only the result would keep their
+    # gradient, and 0 * exp(inf) there would be NaN.
+    delta = torch.where(mask, ref_log_probs.to(log_probs.dtype) - log_probs, torch.zeros_like(log_probs))
     return aggregate_tokens(torch.exp(delta) - delta - 1.0, mask, loss_type, max_new_tokens)

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import fast_decode
 from .losses import completion_mask
 
 __all__ = [
@@ -143,12 +144,16 @@ def _output_cache(output: object) -> object:
 @torch.inference_mode()
 def generate(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
              uniforms: torch.Tensor, params: SamplingParams, eos_token_ids: Sequence[int],
-             pad_token_id: int) -> torch.Tensor:
+             pad_token_id: int, backend: str = "auto") -> torch.Tensor:
     """Sample completions for left-padded prompts with a KV cache.
 
     Args:
         prompt_ids, prompt_mask: ``[R, P]`` on the model's device, left-padded.
         uniforms: ``[R, max_new_tokens]`` from :func:`row_uniforms`.
+        backend: ``"hf"``: every step is a transformers forward with its dynamic cache;
+            ``"auto"``: after the transformers prefill, one-token steps run on
+            :class:`comlrl.fast_decode.StaticDecoder` when the model is supported (checked against
+            the transformers step once per model), else as ``"hf"``.
     Returns:
         ``[R, T]`` int64 completion ids, ``T <= max_new_tokens`` (the loop stops once every row
         has ended); positions after a row's first EOS hold ``pad_token_id``.
@@ -161,21 +166,34 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     positions = (attention.cumsum(dim=1) - 1).clamp(min=0)
     out = model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions,
                 use_cache=True, logits_to_keep=1)
+    logits = out.logits[:, -1, :]
     next_position = positions[:, -1:] + 1
+    fast = fast_decode.static_decoder_for(model, _output_cache(out), prompt_mask, next_position[:, 0],
+                                          params.max_new_tokens) if backend == "auto" else None
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     uniforms = uniforms.to(device)
     ones = torch.ones(rows, 1, dtype=attention.dtype, device=device)
     steps = []
     for t in range(params.max_new_tokens):
-        token = sample_tokens(out.logits[:, -1, :], uniforms[:, t], params.temperature, params.top_p, params.top_k)
+        token = sample_tokens(logits, uniforms[:, t], params.temperature, params.top_p, params.top_k)
         token = token.masked_fill(finished, pad_token_id)
         steps.append(token)
         finished |= torch.isin(token, eos)
         if t + 1 == params.max_new_tokens or bool(finished.all()):
             break
         attention = torch.cat([attention, ones], dim=1)
-        out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=next_position,
-                    use_cache=True, **{cache_kw: _output_cache(out)})
+        if fast is not None:
+            fast_logits = fast.step(token)
+            if fast_decode.needs_check(model):  # once per model: the same step through transformers
+                out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=next_position,
+                            use_cache=True, **{cache_kw: _output_cache(out)})
+                if not fast_decode.record_check(model, fast_logits, out.logits[:, -1, :]):
+                    fast, fast_logits = None, out.logits[:, -1, :]
+            logits = fast_logits
+        else:
+            out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=next_position,
+                        use_cache=True, **{cache_kw: _output_cache(out)})
+            logits = out.logits[:, -1, :]
         next_position = next_position + 1
     return torch.stack(steps, dim=1)
 
@@ -194,13 +212,15 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torc
 
 
 def rollout(model: torch.nn.Module, tokenizer, prompts: Sequence[str], seeds: Sequence[Sequence[int]],
-            params: SamplingParams, eos_token_ids: Sequence[int], add_special_tokens: bool = True) -> Rollout:
+            params: SamplingParams, eos_token_ids: Sequence[int], add_special_tokens: bool = True,
+            backend: str = "auto") -> Rollout:
     """Sample ``K = len(seeds[g])`` completions for each prompt ``g`` in one batched call.
 
     Args:
         prompts: G prompt strings.
         seeds: ``[G][K]`` per-completion seeds (see :func:`derive_seed`).
         add_special_tokens: False for prompts rendered by a chat template.
+        backend: ``"auto"`` or ``"hf"`` (see :func:`generate`).
     Returns:
         A :class:`Rollout` with ``R = G * K`` rows, prompt-major.
     """
@@ -216,7 +236,7 @@ def rollout(model: torch.nn.Module, tokenizer, prompts: Sequence[str], seeds: Se
     try:
         # clone(): tensors made under inference_mode cannot enter the autograd graph of the update.
         completion_ids = generate(model, prompt_ids, prompt_mask, uniforms, params, eos_token_ids,
-                                  tokenizer.pad_token_id).clone()
+                                  tokenizer.pad_token_id, backend).clone()
     finally:
         model.train(was_training)
     mask = completion_mask(completion_ids, eos_token_ids)

@@ -35,6 +35,7 @@ parser.add_argument("--num-turns", type=int, default=1)
 parser.add_argument("--loss-type", default="grpo")
 parser.add_argument("--extra-prompt", action="store_true", help="5 prompts: the last micro-batch is uneven")
 parser.add_argument("--eval", action="store_true")
+parser.add_argument("--lora", action="store_true", help="LoRA agents on one shared base")
 opts = parser.parse_args()
 
 prompts = SEED_PROMPTS + (["Name a color:"] if opts.extra_prompt else [])
@@ -46,8 +47,15 @@ def refine(agent_completions, prompt_history_per_agent, **_):
 
 
 path = tiny_model_dir()
+if opts.lora:
+    from peft import LoraConfig
+
+    models = dict(agent_model=str(path), num_agents=2,
+                  peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
+else:
+    models = dict(agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)])
 trainer = MAGRPOTrainer(
-    agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],
+    **models,
     tokenizer=AutoTokenizer.from_pretrained(path),
     reward_func=length_ratio_reward,
     train_dataset=[{"prompt": p} for p in prompts],
@@ -68,5 +76,9 @@ for i, opt in enumerate(trainer.optimizers):
             tensors[f"{i}.opt.{idx}.{k}"] = v.detach().reshape(-1).contiguous()
 rank = trainer.dist.rank
 save_file(tensors, str(opts.run_dir / f"final-rank{rank}.safetensors"))
-(opts.run_dir / f"rank{rank}.json").write_text(json.dumps({"world_size": trainer.dist.world_size,
-                                                            "env_step": trainer.state.env_step}))
+record = {"world_size": trainer.dist.world_size, "env_step": trainer.state.env_step}
+if opts.lora:
+    from comlrl.adapters import base_fingerprint
+
+    record["base"] = base_fingerprint(trainer.agents[0].shared)["content"]
+(opts.run_dir / f"rank{rank}.json").write_text(json.dumps(record))

@@ -33,8 +33,7 @@ if slow:
             return result
         return wrapper
 
-    ckpt.save_file = stretched(ckpt.save_file)
-    ckpt.save_model = stretched(ckpt.save_model)
+    ckpt._write_bytes = stretched(ckpt._write_bytes)
 path = tiny_model_dir()
 trainer = MAGRPOTrainer(
     agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],

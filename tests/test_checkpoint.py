@@ -282,3 +282,18 @@ def test_function_fingerprints_are_stable_across_processes(tmp_path):
     outs = {subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout
             for _ in range(2)}
     assert len(outs) == 1 and "partial(" in outs.pop()
+
+
+def test_settings_added_after_a_checkpoint_count_as_their_defaults(make_trainer, tmp_path):
+    """A checkpoint from before a config field existed resumes when the field is at its default."""
+    make_trainer(num_train_epochs=1).train(checkpoint_dir=tmp_path / "ckpt")
+    state_file = tmp_path / "ckpt" / "checkpoint-1" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    for key in ("reference_kl_coef", "rollout_backend"):
+        del state["fingerprints"]["config"][key]
+    state_file.write_text(json.dumps(state))
+    make_trainer(num_train_epochs=2).train(resume_from_checkpoint=tmp_path / "ckpt" / "checkpoint-1",
+                                           checkpoint_dir=tmp_path / "ckpt")
+    with pytest.raises(ResumeMismatchError, match="reference_kl_coef"):
+        make_trainer(num_train_epochs=3, reference_kl_coef=0.1).train(
+            resume_from_checkpoint=tmp_path / "ckpt" / "checkpoint-2", checkpoint_dir=tmp_path / "ckpt")

@@ -2,7 +2,7 @@
 
 * 2 processes == 1 process with the same global batch (within float tolerance; same samples and
   rewards), also for multi-turn with early termination, gradient accumulation, token_mean, an
-  uneven last micro-batch that leaves a rank idle, and evaluation;
+  uneven last micro-batch that leaves a rank idle, and evaluation; and for LoRA agents with dr_grpo;
 * a 2-process run resumed from its checkpoint == the uninterrupted 2-process run, bit for bit;
 * a 2-process checkpoint resumes on 1 process (allowed, said, within tolerance);
 * more processes than prompts per micro-batch is refused at start.
@@ -116,6 +116,17 @@ def test_multi_turn_accumulation_uneven_batches_match(tmp_path):
     run(tmp_path / "two", *args, procs=2)
     assert_close_runs(tmp_path / "one", tmp_path / "two")
     assert any("eval/reward_mean" in r for r in rows(tmp_path / "two"))
+
+
+def test_lora_agents_two_processes_match_one(tmp_path):
+    args = ("--lora", "--loss-type", "dr_grpo")
+    run(tmp_path / "one", *args)
+    run(tmp_path / "two", *args, procs=2)
+    assert_close_runs(tmp_path / "one", tmp_path / "two")
+    w0, w1 = final(tmp_path / "two", 0), final(tmp_path / "two", 1)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0) and all("lora_" in k for k in w0 if ".opt." not in k)
+    bases = {json.loads((tmp_path / "two" / f"rank{r}.json").read_text())["base"] for r in (0, 1)}
+    assert len(bases) == 1
 
 
 def test_more_processes_than_prompts_per_batch_is_refused(tmp_path):

@@ -42,6 +42,14 @@ def test_kl_penalty_matches_a_loop(loss_type):
     assert float(got) >= 0
 
 
+def test_unscored_positions_cannot_poison_the_gradient():
+    logp = torch.tensor([[-1.0, -2.0, -200.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -0.1]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False]])
+    kl_penalty(logp, ref, mask).backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 2] == 0
+
+
 def test_kl_is_zero_with_zero_gradient_at_the_reference():
     logp = torch.randn(3, 4, dtype=torch.float64).requires_grad_()
     kl = kl_penalty(logp, logp.detach(), torch.ones(3, 4, dtype=torch.bool))

@@ -107,3 +107,21 @@ def test_bad_lora_input_is_refused_at_construction(model_path, tokenizer, tmp_pa
                       train_dataset=[{"prompt": p} for p in SEED_PROMPTS])
     with pytest.raises(ConfigError, match="LoraConfig"):
         lora_trainer(model_path, tokenizer, tmp_path, peft_config={"r": 8})
+
+
+def test_inits_that_do_not_start_at_the_base_are_refused(model_path, tokenizer, tmp_path):
+    with pytest.raises(ConfigError, match="rewrites the base"):
+        lora_trainer(model_path, tokenizer, tmp_path, peft_config=LoraConfig(
+            r=4, target_modules="all-linear", task_type="CAUSAL_LM", init_lora_weights="pissa"))
+    random_b = LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM", init_lora_weights=False)
+    lora_trainer(model_path, tokenizer, tmp_path, peft_config=random_b)  # fine without KL
+    with pytest.raises(ConfigError, match="do not start at the base"):
+        lora_trainer(model_path, tokenizer, tmp_path, peft_config=random_b, reference_kl_coef=0.1)
+
+
+def test_a_changed_adapter_config_is_refused_on_resume(model_path, tokenizer, tmp_path):
+    lora_trainer(model_path, tokenizer, tmp_path, num_train_epochs=1).train(checkpoint_dir=tmp_path / "ckpt")
+    other = lora_trainer(model_path, tokenizer, tmp_path, num_train_epochs=2, peft_config=LoraConfig(
+        r=4, lora_alpha=64, target_modules="all-linear", task_type="CAUSAL_LM"))
+    with pytest.raises(ResumeMismatchError, match="lora_adapters"):
+        other.train(resume_from_checkpoint=tmp_path / "ckpt" / "checkpoint-1", checkpoint_dir=tmp_path / "ckpt")

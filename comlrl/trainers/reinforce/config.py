@@ -18,6 +18,7 @@ __all__ = ["MAGRPOConfig", "MAREINFORCEConfig", "MARLOOConfig", "MAReMaxConfig",
 ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 JOINT_MODES = ("aligned", "cross")
 LOSS_TYPES = ("grpo", "token_mean", "dr_grpo")
+ROLLOUT_BACKENDS = ("auto", "hf")
 
 # Names users of other libraries type, mapped to ours, for the "unknown field" message.
 _ALIASES = {
@@ -81,6 +82,7 @@ class MAGRPOConfig:
     max_new_tokens: int = _fixed(256, "Most tokens an agent generates per completion.")
     temperature: float = _fixed(1.0, "Sampling temperature; the loss scores tokens at the same temperature.")
     top_p: float = _fixed(1.0, "Nucleus sampling: keep the smallest token set with this much probability.")
+    rollout_backend: str = _fixed("auto", "'auto': one-token steps on comlrl's lean decoder for Qwen2/Llama/Mistral (checked against transformers once per model), else transformers; 'hf': always the transformers forward.")
     top_k: Optional[int] = _fixed(50, "Keep only the k most likely tokens (transformers' default 50); None or 0 = no limit.")
 
     # --- MAGRPO ------------------------------------------------------------------------------------
@@ -133,6 +135,7 @@ class MAGRPOConfig:
         _check_choice(self, "joint_mode", JOINT_MODES)
         _check_choice(self, "advantage_mode", ADVANTAGE_MODES)
         _check_choice(self, "loss_type", LOSS_TYPES)
+        _check_choice(self, "rollout_backend", ROLLOUT_BACKENDS)
         _check_float(self, "discount", lambda v: 0 <= v <= 1, "in [0, 1]")
         _check_float(self, "reference_kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL penalty)")
         if self.termination_threshold is not None:

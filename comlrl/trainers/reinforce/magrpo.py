@@ -12,12 +12,14 @@ One optimizer step::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import os
 import re
 import shutil
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -28,7 +30,7 @@ import torch
 from ... import checkpoint as ckpt
 from ... import distributed as dist
 from ..._io import fsync_tree, move_into_place
-from ...adapters import AdapterAgent, base_fingerprint, build_lora_agents
+from ...adapters import AdapterAgent, base_fingerprint, build_lora_agents, starts_at_base
 from ...advantages import group_advantages
 from ...exceptions import CheckpointDirError, ConfigError, DataError, ResumeMismatchError, TokenizerError
 from ...fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint, model_fingerprint,
@@ -92,8 +94,9 @@ class MAGRPOTrainer:
         external_transition: for ``num_turns > 1``: turns a joint answer into the agents' next
             prompts (see :class:`comlrl.episode.ExternalTransition` for its keyword arguments).
         peft_config: a ``peft.LoraConfig``: the ``num_agents`` agents become LoRA adapters on ONE
-            frozen copy of ``agent_model`` (see :mod:`comlrl.adapters`); checkpoints then hold the
-            adapters and their optimizer state only, and the base by fingerprint.
+            frozen base, ``agent_model`` (loaded once from a path, or the given model itself, which
+            peft wraps in place; see :mod:`comlrl.adapters`); checkpoints then hold the adapters and
+            their optimizer state only, and the base by fingerprint.
     """
 
     config_class: type[MAGRPOConfig] = MAGRPOConfig
@@ -125,7 +128,9 @@ class MAGRPOTrainer:
                               "other baselines.")
         self.args = args
         self.wandb_config = check_wandb_config(wandb_config)
-        self.dist = dist.init_distributed()  # one process unless launched by torchrun
+        wanted = [args.device] if args.agent_devices is None else list(args.agent_devices)
+        self.dist = dist.init_distributed(  # one process unless launched by torchrun
+            use_cuda=any(d is None or torch.device(d).type == "cuda" for d in wanted))
         self.agents, tokenizer = self._resolve_agents(agent_model, agents, num_agents, tokenizer, peft_config)
         self.num_agents = len(self.agents)
         self.tokenizers = self._resolve_tokenizers(tokenizer)
@@ -184,7 +189,15 @@ class MAGRPOTrainer:
         self.device = self.agent_devices[0]  # timers synchronise here
         for model, device in zip(self.agents, self.agent_devices):
             model.to(device)
-        dist.broadcast_parameters(self.agents, self.dist)  # every rank starts from rank 0's weights
+        # Every rank starts from rank 0's weights (a LoRA base once, with every adapter).
+        shared_models = {id(m.shared): m.shared for m in self.agents if isinstance(m, AdapterAgent)}
+        dist.broadcast_parameters([m for m in self.agents if not isinstance(m, AdapterAgent)]
+                                  + list(shared_models.values()), self.dist)
+        if args.reference_kl_coef and not all(starts_at_base(m) for m in self.agents if isinstance(m, AdapterAgent)):
+            raise ConfigError("reference_kl_coef with LoRA agents takes the base model (adapters disabled) as each "
+                              "agent's initial policy, but these adapters do not start at the base (their LoRA B "
+                              "matrices are not zero: init_lora_weights?). Use peft's default init, or "
+                              "reference_kl_coef=0.")
         # The KL penalty's reference: each agent's initial policy, frozen. Never checkpointed (a
         # resumed run rebuilds it from the same initial models, which the fingerprint checks).
         self.references: list[Optional[torch.nn.Module]] = [
@@ -192,10 +205,9 @@ class MAGRPOTrainer:
             for m in self.agents] if args.reference_kl_coef else [None] * self.num_agents
         set_seed(args.seed)
         self.optimizers = [
-            torch.optim.AdamW(self._trainable(m), lr=args.agent_learning_rate,
-                              betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                              weight_decay=args.weight_decay)
-            for m in self.agents
+            torch.optim.AdamW(params, lr=args.agent_learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                              eps=args.adam_epsilon, weight_decay=args.weight_decay, fused=_can_fuse(params))
+            for params in (self._trainable(m) for m in self.agents)
         ]
         warmup = args.warmup_steps
         self.schedulers = [
@@ -205,6 +217,9 @@ class MAGRPOTrainer:
         self.sampling = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
         self.state = TrainState()
         self.run_id = dist.gather_objects(uuid.uuid4().hex, self.dist)[0]  # rank 0's, on every rank
+        # Checkpoint files are written by one background thread while training goes on (rank 0).
+        self._checkpoint_writer: Optional[ThreadPoolExecutor] = None
+        self._pending_save: Optional[Future] = None
         self.wandb_identity: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------------------------------
@@ -375,8 +390,9 @@ class MAGRPOTrainer:
 
     @staticmethod
     def _resolve_device(name: Optional[str]) -> torch.device:
-        if name is None:
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if name is None:  # the current CUDA device: cuda:LOCAL_RANK under torchrun
+            return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
         try:
             device = torch.device(name)
         except RuntimeError as exc:
@@ -464,7 +480,8 @@ class MAGRPOTrainer:
         for a, (model, tok) in enumerate(zip(self.agents, self.tokenizers)):
             seeds = [[seed_of(a, node, g) for g in range(k)] for node in nodes]
             outs.append(rollout(model, tok, [self._render(a, node.prompts[a]) for node in nodes], seeds,
-                                self.sampling, self.eos_token_ids[a], add_special_tokens=not self.chat_agents[a]))
+                                self.sampling, self.eos_token_ids[a], add_special_tokens=not self.chat_agents[a],
+                                backend=self.args.rollout_backend))
         return outs
 
     def _joint_completions(self, rollouts: list[Rollout], num_nodes: int) -> list[list[str]]:
@@ -791,7 +808,9 @@ class MAGRPOTrainer:
                             self._save(checkpoint_dir, checkpoint_total_limit)
                     if epoch_done:
                         break
+            dist.main_process_first_result(self._wait_for_save, self.dist)  # the last checkpoint is on disk
         finally:
+            self._drain_save()
             progress.close()
             if jsonl is not None:
                 jsonl.close()
@@ -925,7 +944,8 @@ class MAGRPOTrainer:
             "config": {k: v for k, v in self.args.to_dict().items() if k not in RESUMABLE_FIELDS},
             "num_agents": self.num_agents,
             "models": [model_fingerprint(m) for m in self.agents],
-            **({"lora_bases": [base_fingerprint(m.shared) for m in self.agents]}
+            **({"lora_bases": [base_fingerprint(m.shared) for m in self.agents],
+                "lora_adapters": [m.fingerprint()["adapter_config"] for m in self.agents]}
                if any(isinstance(m, AdapterAgent) for m in self.agents) else {}),
             "tokenizers": [tokenizer_fingerprint(t) for t in self.tokenizers],
             "dataset": dataset_fingerprint(self.train_rows),
@@ -955,24 +975,55 @@ class MAGRPOTrainer:
             }
             rng_states = dist.gather_objects(ckpt.capture_rng_state(), self.dist)  # every rank's
 
-            def write() -> Path:  # once, by rank 0; the weights are the same on every rank
-                saved = ckpt.save_checkpoint(checkpoint_dir, number, self.agents, self.optimizers, self.schedulers,
-                                             record, rng_states=rng_states)
-                if limit is not None:
-                    ckpt.prune_checkpoints(checkpoint_dir, limit)
-                return saved
+            def submit() -> Path:  # once, by rank 0; the weights are the same on every rank
+                snapshot = ckpt.snapshot_checkpoint(number, self.agents, self.optimizers, self.schedulers, record,
+                                                    rng_states)
+                self._wait_for_save()  # checkpoints commit in order; an earlier failure surfaces here
+                if self._checkpoint_writer is None:
+                    self._checkpoint_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comlrl-checkpoint")
+                self._pending_save = self._checkpoint_writer.submit(self._write_checkpoint, checkpoint_dir, number,
+                                                                    snapshot, limit)
+                return ckpt.checkpoint_path(checkpoint_dir, number)
 
-            path = dist.main_process_first_result(write, self.dist)
-        # The save's cost shows up in the next logged row.
+            path = dist.main_process_first_result(submit, self.dist)
+        # The save's cost (copying the state; the files are written in the background) shows up in
+        # the next logged row.
         self.state.log_window["timing/checkpoint"] = self.state.log_window.get("timing/checkpoint", 0.0) \
             + timer.seconds["checkpoint"]
         self.state.log_window_counts.setdefault("timing/checkpoint", 1)
-        logger.info("comlrl: saved %s (env_step %d)", path, self.state.env_step)
         return path
+
+    def _write_checkpoint(self, checkpoint_dir, number: int, snapshot: ckpt.Snapshot, limit: Optional[int]) -> Path:
+        """The slow half of a save, on the writer thread: files, fsync, rename, pruning."""
+        path = ckpt.write_checkpoint(checkpoint_dir, number, snapshot)
+        if limit is not None:
+            ckpt.prune_checkpoints(checkpoint_dir, limit)
+        logger.info("comlrl: saved %s (env_step %s)", path, snapshot.record.get("env_step"))
+        return path
+
+    def _drain_save(self) -> None:
+        """Never leave train() with a write running; when train() is already failing, the write's
+        own error (if any) is logged rather than raised over the original one."""
+        try:
+            self._wait_for_save()
+        except Exception:
+            logger.exception("comlrl: writing the last checkpoint failed")
+
+    def _wait_for_save(self) -> None:
+        """Block until the checkpoint being written (if any) is committed; raise its error."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is not None:
+            pending.result()
 
     def _resume(self, path: Path) -> Path:
         saved = ckpt.read_state(path)
-        differences = compare_fingerprints(saved.get("fingerprints", {}), self._fingerprints())
+        fingerprints = dict(saved.get("fingerprints", {}))
+        if isinstance(fingerprints.get("config"), dict):
+            # A setting added after the checkpoint was written counts as its default then.
+            defaults = {f.name: f.default for f in dataclasses.fields(self.args) if f.name not in RESUMABLE_FIELDS}
+            fingerprints["config"] = {**{k: v for k, v in defaults.items() if k not in fingerprints["config"]},
+                                      **fingerprints["config"]}
+        differences = compare_fingerprints(fingerprints, self._fingerprints())
         if differences:
             raise ResumeMismatchError(str(path), differences)
         loaded = ckpt.load_checkpoint(path, self.agents, self.optimizers, self.schedulers, rank=self.dist.rank)
@@ -1009,6 +1060,14 @@ class MAReMaxTrainer(MAGRPOTrainer):
     """MAGRPO with the group-max baseline."""
 
     config_class, advantage_mode = MAReMaxConfig, "max"
+
+
+def _can_fuse(params: list[torch.nn.Parameter]) -> Optional[bool]:
+    """AdamW's fused kernel (one pass over each tensor instead of a dozen) where torch has it:
+    floating-point parameters on CPU or CUDA. It is part of the optimizer state, so a resumed run
+    keeps the implementation its checkpoint was written with."""
+    ok = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return True if ok else None
 
 
 def _version() -> str:

@@ -1,0 +1,107 @@
+"""The lean decode step (comlrl.fast_decode) against transformers' own forward."""
+
+import logging
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from comlrl import fast_decode
+from comlrl.rollout import SamplingParams, _cache_kwarg, _output_cache, generate, left_pad, row_uniforms
+from comlrl.testing import tiny_model_dir
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15], [16], [17, 18, 19, 20, 21]]
+
+
+def small_model(kind: str, heads: int, kv_heads: int, dtype=torch.float32, **extra):
+    torch.manual_seed(0)
+    cls, config_cls = (Qwen2ForCausalLM, Qwen2Config) if kind == "qwen2" else (LlamaForCausalLM, LlamaConfig)
+    config = config_cls(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
+                        tie_word_embeddings=False, **extra)
+    return cls(config).to(dtype).eval()
+
+
+MODELS = {
+    "qwen2-gqa": lambda: small_model("qwen2", 4, 2),
+    "qwen2-mha": lambda: small_model("qwen2", 4, 4),
+    "qwen2-mqa": lambda: small_model("qwen2", 4, 1),
+    "llama-bias": lambda: small_model("llama", 4, 2, attention_bias=True, mlp_bias=True),
+    "llama-rope-scaling": lambda: small_model("llama", 4, 2, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "tiny-qwen2": lambda: AutoModelForCausalLM.from_pretrained(tiny_model_dir()).eval(),
+}
+
+
+def reference_and_fast_logits(model, steps=12, fuse=True, monkeypatch=None):
+    """Logits of ``steps`` one-token steps through transformers and through StaticDecoder."""
+    ids, mask = left_pad(PROMPTS, 0)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    tokens = torch.randint(3, 300, (len(PROMPTS), steps), generator=torch.Generator().manual_seed(1))
+    if not fuse:
+        monkeypatch.setattr(fast_decode, "FUSE_LIMIT_BYTES", 0)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        fast = fast_decode.StaticDecoder(model, _output_cache(out), mask, positions[:, -1] + 1, steps)
+        assert ("qkv" in fast.layers[0]) == fuse
+        cache, attention, position, ref, got = _output_cache(out), mask, positions[:, -1:] + 1, [], []
+        for t in range(steps):
+            got.append(fast.step(tokens[:, t]))
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            step = model(input_ids=tokens[:, t:t + 1], attention_mask=attention, position_ids=position,
+                         use_cache=True, **{_cache_kwarg(model): cache})
+            cache, position = _output_cache(step), position + 1
+            ref.append(step.logits[:, -1])
+    return torch.stack(ref, 1), torch.stack(got, 1)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_static_steps_equal_transformers_steps(name):
+    model = MODELS[name]()
+    assert fast_decode.supports_static_decoding(model) is None
+    ref, got = reference_and_fast_logits(model)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_unfused_projections_equal_transformers_steps(monkeypatch):
+    ref, got = reference_and_fast_logits(MODELS["llama-bias"](), fuse=False, monkeypatch=monkeypatch)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_steps_stay_close():
+    ref, got = reference_and_fast_logits(small_model("qwen2", 4, 2, dtype=torch.bfloat16))
+    assert float((got.float() - ref.float()).abs().max()) < 0.05 * (1 + float(ref.float().abs().max()))
+
+
+def sample(model, backend, seeds=(1, 2, 3, 4)):
+    ids, mask = left_pad(PROMPTS, 0)
+    return generate(model, ids, mask, row_uniforms(list(seeds), 40), SamplingParams(40, 1.0, 0.9, 50), [0], 0,
+                    backend=backend)
+
+
+@pytest.mark.parametrize("name", ["qwen2-gqa", "llama-bias", "tiny-qwen2"])
+def test_sampled_tokens_equal_the_transformers_loop(name):
+    model = MODELS[name]()
+    assert torch.equal(sample(model, "auto"), sample(model, "hf"))
+
+
+def test_unsupported_models_use_the_transformers_loop():
+    gpt2 = AutoModelForCausalLM.from_pretrained(tiny_model_dir(kind="gpt2")).eval()
+    assert "gpt2" in fast_decode.supports_static_decoding(gpt2)
+    assert fast_decode.static_decoder_for(gpt2, None, torch.ones(1, 1), torch.zeros(1), 4) is None
+    sliding = small_model("qwen2", 4, 2, use_sliding_window=True, sliding_window=8)
+    assert "sliding" in fast_decode.supports_static_decoding(sliding)
+
+
+def test_a_disagreeing_step_falls_back_for_good(monkeypatch, caplog):
+    model = MODELS["qwen2-gqa"]()
+    expected = sample(model, "hf")
+    original = fast_decode.StaticDecoder.step
+    monkeypatch.setattr(fast_decode.StaticDecoder, "step", lambda self, tokens: original(self, tokens) + 1.0)
+    with caplog.at_level(logging.WARNING, logger="comlrl"):
+        first = sample(model, "auto")
+    assert "disagrees with the transformers forward" in caplog.text
+    assert torch.equal(first, expected)  # the failed check's step and every later one came from transformers
+    assert torch.equal(sample(model, "auto"), expected)
+    assert fast_decode.needs_check(model) is False
