@@ -17,7 +17,14 @@ __all__ = [
     "policy_gradient_loss",
     "aggregate_tokens",
     "kl_penalty",
+    "linear_selected_log_probs",
 ]
+
+# Causal LMs whose logits are exactly ``lm_head(final hidden state)`` (no soft-capping or scaling):
+# for these the log-probs are computed from the hidden states without materialising all logits.
+_PLAIN_HEAD_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", "gpt2")
+# Keep the logits for the backward pass up to this size; beyond it, recompute them chunk by chunk.
+SAVE_LOGITS_BYTES = 256 * 2**20
 
 
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: Iterable[int]) -> torch.Tensor:
@@ -59,6 +66,100 @@ def selected_log_probs(logits: torch.Tensor, tokens: torch.Tensor, temperature: 
     return torch.cat(out, dim=0)
 
 
+class _LinearSelectedLogProbs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T (+ bias) / temperature)[token], row by row, with a hand-written
+    backward: ``d logits = g * (onehot(token) - softmax)``. Works in place on one logits buffer per
+    chunk (exp(logits - max) is kept, or recomputed, for the backward pass), avoiding the several
+    full-vocabulary temporaries of autograd through ``logsumexp`` + ``gather`` + slicing."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, temperature, chunk_rows, save_exp):
+        outs, sums, kept = [], [], []
+        for start in range(0, hidden.shape[0], chunk_rows):
+            end = start + chunk_rows
+            shifted, picked, total = _shifted_exp(hidden[start:end], weight, bias, tokens[start:end], temperature)
+            outs.append(picked - torch.log(total))  # logit[token] - logsumexp(logits), both shifted by the max
+            sums.append(total)
+            if save_exp:
+                kept.append(shifted)
+        ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), tokens, torch.cat(sums),
+                              *kept)
+        ctx.temperature, ctx.chunk_rows, ctx.has_bias = temperature, chunk_rows, bias is not None
+        return torch.cat(outs)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, tokens, sums, *kept = ctx.saved_tensors
+        bias = bias if ctx.has_bias else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = grad_bias = None
+        for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_rows)):
+            end = start + ctx.chunk_rows
+            exp = kept[i] if kept else _shifted_exp(hidden[start:end], weight, bias, tokens[start:end],
+                                                    ctx.temperature)[0]
+            g = grad_out[start:end].float()
+            # d logits = g * onehot(token) - g * softmax, softmax = exp / sum (in place on exp).
+            grad_logits = exp.mul_((-g / sums[start:end])[:, None])
+            grad_logits.scatter_add_(-1, tokens[start:end, None], g[:, None])
+            if ctx.temperature != 1.0:
+                grad_logits.div_(ctx.temperature)
+            grad_logits = grad_logits.to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ weight
+            if ctx.needs_input_grad[1]:
+                part = grad_logits.t() @ hidden[start:end]
+                grad_weight = part if grad_weight is None else grad_weight.add_(part)
+            if ctx.has_bias and ctx.needs_input_grad[2]:
+                part = grad_logits.sum(dim=0)
+                grad_bias = part if grad_bias is None else grad_bias.add_(part)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _shifted_exp(hidden, weight, bias, tokens, temperature):
+    """For a chunk of rows: (exp(logits - max) [n, V] float32, logit[token] - max [n], row sums [n])."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits.div_(temperature)
+    top = logits.amax(dim=-1, keepdim=True)
+    picked = logits.gather(-1, tokens[:, None]).squeeze(-1) - top.squeeze(-1)
+    exp = logits.sub_(top).exp_()
+    return exp, picked, exp.sum(dim=-1)
+
+
+def linear_selected_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              tokens: torch.Tensor, temperature: float = 1.0, chunk_rows: int = 1024) -> torch.Tensor:
+    """``selected_log_probs(hidden @ weight.T + bias, tokens, temperature)`` without keeping
+    full-vocabulary autograd temporaries.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states; weight ``[V, H]``; bias ``[V]`` or None.
+        tokens: ``[N]`` int64 targets.
+        chunk_rows: rows per chunk. The logits are kept for the backward pass when all of them fit
+            in ``SAVE_LOGITS_BYTES``; otherwise each chunk's are recomputed there, so memory stays
+            ``chunk_rows x V`` whatever the number of rows.
+    Returns:
+        ``[N]`` float32 log-probabilities (differentiable in hidden, weight and bias).
+    """
+    save = hidden.shape[0] * weight.shape[0] * 4 <= SAVE_LOGITS_BYTES  # float32 exp(logits - max)
+    rows = hidden.shape[0] if save else max(1, min(chunk_rows, SAVE_LOGITS_BYTES // (4 * weight.shape[0])))
+    return _LinearSelectedLogProbs.apply(hidden, weight, bias, tokens, temperature, max(rows, 1), save)
+
+
+def _plain_head(model: torch.nn.Module):
+    """(backbone, lm_head) when the model's logits are exactly ``lm_head(backbone(...)[0])``."""
+    from transformers import PreTrainedModel
+
+    config = getattr(model, "config", None)
+    if not isinstance(model, PreTrainedModel) or getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
+        return None  # e.g. a PEFT-wrapped agent: its own forward, whatever it does
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    backbone = getattr(model, "base_model", None)
+    if not isinstance(head, torch.nn.Linear) or backbone is None or backbone is model \
+            or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
+        return None
+    return backbone, head
+
+
 def sequence_log_probs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                        completion_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probabilities of the completion tokens under ``model``, in one padded forward pass.
@@ -77,6 +178,15 @@ def sequence_log_probs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_
     attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     num_completion = completion_ids.shape[1]
+    plain = _plain_head(model)
+    if plain is not None:
+        # Hidden states of the positions that predict the completion tokens, then the head.
+        backbone, head = plain
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False)[0][:, -num_completion - 1:-1]
+        rows, steps = completion_ids.shape
+        return linear_selected_log_probs(hidden.reshape(rows * steps, -1), head.weight, head.bias,
+                                         completion_ids.reshape(-1), temperature).view(rows, steps)
     logits = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

@@ -84,15 +84,19 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
         ``[R]`` int64 token ids. Filtering follows transformers' order: temperature, top-k, top-p.
         The CDF runs over token ids in increasing order whichever path computes it.
     """
-    scores = logits.float() / temperature
+    scores = logits.float()
+    if temperature != 1.0:
+        scores = scores / temperature
     vocab = scores.shape[-1]
     if top_k and top_k < vocab:
-        top_scores, top_ids = torch.topk(scores, int(top_k), dim=-1)  # [R, k], sorted descending
-        kth = top_scores[:, -1:]
+        k = int(top_k)
+        # k + 1 candidates, sorted descending: the extra one tells whether the k-th score is tied.
+        top_scores, top_ids = torch.topk(scores, k + 1, dim=-1)
+        kth = top_scores[:, k - 1:k]
         # Fast path: work on the k candidates only (O(k) instead of O(V) per step). Valid unless a
         # tie at the k-th score keeps more than k tokens, as transformers' top-k does.
-        if bool(((scores >= kth).sum(dim=-1) == top_k).all()):
-            return _sample_candidates(top_scores, top_ids, uniforms, top_p)
+        if bool((top_scores[:, k] < top_scores[:, k - 1]).all()):
+            return _sample_candidates(top_scores[:, :k], top_ids[:, :k], uniforms, top_p)
         scores = scores.masked_fill(scores < kth, -torch.inf)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float64)
     if top_p < 1.0:

@@ -311,3 +311,57 @@ def test_sequence_log_probs_depends_on_the_prompt():
         a = sequence_log_probs(model, ids, mask, completion)
         shifted = _ref_row_logp(model, prompt_lists[0][1:], completion[0].tolist(), 1.0)
     assert (a[0] - shifted).abs().max() > 1e-3
+
+
+# --------------------------------------------------------------------------------------------
+# linear_selected_log_probs: the fused head + log-softmax + gather, against autograd
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("save", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_selected_log_probs_equals_autograd_reference(monkeypatch, save, temperature, with_bias):
+    from comlrl import losses
+
+    if not save:  # force chunk-by-chunk recomputation in the backward pass (3 rows per chunk)
+        monkeypatch.setattr(losses, "SAVE_LOGITS_BYTES", 3 * 4 * 50)
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(10, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(50, generator=g, dtype=torch.float64, requires_grad=True) if with_bias else None
+    tokens = torch.randint(0, 50, (10,), generator=g)
+    upstream = torch.randn(10, generator=g, dtype=torch.float64)
+
+    got = losses.linear_selected_log_probs(hidden, weight, bias, tokens, temperature)
+    (got.double() * upstream).sum().backward()
+    grads = [hidden.grad.clone(), weight.grad.clone()] + ([bias.grad.clone()] if with_bias else [])
+    for t in [hidden, weight] + ([bias] if with_bias else []):
+        t.grad = None
+    logits = torch.nn.functional.linear(hidden, weight, bias) / temperature
+    want = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    (want * upstream).sum().backward()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    expected = [hidden.grad, weight.grad] + ([bias.grad] if with_bias else [])
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_sequence_log_probs_fused_head_equals_full_logits_path(monkeypatch):
+    """The hidden-state path (fused head) == the model's own logits (all parameters' gradients)."""
+    from comlrl import losses
+
+    model, tok = _tiny("qwen2")
+    prompt_lists, completion = _batch(tok)
+    ids, mask = left_pad(prompt_lists, tok.pad_token_id)
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(losses, "_plain_head", lambda model: None)
+        model.zero_grad()
+        logp = sequence_log_probs(model, ids, mask, completion, 0.8)
+        logp.sum().backward()
+        results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    for name in results[0][1]:
+        torch.testing.assert_close(results[0][1][name], results[1][1][name], rtol=1e-4, atol=1e-6, msg=name)
+    model.zero_grad()

@@ -220,6 +220,7 @@ class MAGRPOTrainer:
         # Checkpoint files are written by one background thread while training goes on (rank 0).
         self._checkpoint_writer: Optional[ThreadPoolExecutor] = None
         self._pending_save: Optional[Future] = None
+        self._fingerprint_cache: Optional[dict[str, Any]] = None
         self.wandb_identity: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------------------------------
@@ -940,6 +941,14 @@ class MAGRPOTrainer:
                 shutil.rmtree(stale, ignore_errors=True)
 
     def _fingerprints(self) -> dict[str, Any]:
+        """What a resumed run must share with this one. Nothing in it changes while training (the
+        config is frozen, weights are not fingerprinted), so it is computed once: hashing a large
+        tokenizer or a dataset at every save would cost more than the save."""
+        if self._fingerprint_cache is None:
+            self._fingerprint_cache = self._compute_fingerprints()
+        return self._fingerprint_cache
+
+    def _compute_fingerprints(self) -> dict[str, Any]:
         return {
             "config": {k: v for k, v in self.args.to_dict().items() if k not in RESUMABLE_FIELDS},
             "num_agents": self.num_agents,
