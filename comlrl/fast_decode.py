@@ -222,3 +222,171 @@ def record_check(model: torch.nn.Module, fast: torch.Tensor, reference: torch.Te
         logger.warning("comlrl: fast decoding disagrees with the transformers forward for %s by %.3g (> %.3g); "
                        "using the transformers forward.", type(model).__name__, difference, tolerance)
     return ok
+
+
+def _layout(model: torch.nn.Module) -> tuple:
+    """What must be equal for models to decode stacked: architecture, sizes, dtype, device, RoPE."""
+    config = model.config
+    rotary = model.model.rotary_emb
+    return (config.model_type, tuple((n, tuple(p.shape), p.dtype, p.device) for n, p in model.named_parameters()),
+            float(getattr(rotary, "attention_scaling", 1.0)), tuple(rotary.inv_freq.tolist()),
+            tuple(layer.input_layernorm.variance_epsilon for layer in model.model.layers),
+            config.num_attention_heads, getattr(config, "num_key_value_heads", None), getattr(config, "head_dim", None))
+
+
+def stackable(models: list[torch.nn.Module]) -> bool:
+    """True if ``models`` (2 or more) can take their one-token steps together in one
+    :class:`StackedDecoder`: all supported, not found to disagree, of one layout, and small enough
+    that a stacked copy of their weights (made per rollout) stays under ``FUSE_LIMIT_BYTES``."""
+    if len(models) < 2 or any(supports_static_decoding(m) is not None or _VERIFIED.get(m) is False for m in models):
+        return False
+    if len({id(m) for m in models}) != len(models):
+        return False
+    layouts = {_layout(m) for m in models}
+    size = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
+    return len(layouts) == 1 and size <= FUSE_LIMIT_BYTES
+
+
+class StackedDecoder:
+    """One-token steps of N models of one layout at once: the agents' weights stacked on a leading
+    dimension, every product a batched matrix product. N agents then cost about the operations
+    of one, which is what limits small-batch decoding.
+
+    Args:
+        models: N models for which :func:`stackable` holds, in eval mode.
+        prompt_caches: each model's prefill cache (``[R, kv_heads, P_a, head_dim]`` per layer).
+        prompt_masks: ``[R, P_a]`` each; prompts of different lengths are aligned on the right.
+        first_positions: ``[R]`` each: position id of the first generated token.
+        max_new_tokens: decode steps the cache must hold.
+    """
+
+    def __init__(self, models: list[torch.nn.Module], prompt_caches: list[Any], prompt_masks: list[torch.Tensor],
+                 first_positions: list[torch.Tensor], max_new_tokens: int):
+        first = models[0]
+        config = first.config
+        self.models = models
+        self.n = len(models)
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = self.head_dim ** -0.5
+        self.rows = prompt_masks[0].shape[0]
+        if any(m.shape[0] != self.rows for m in prompt_masks):
+            raise ValueError("every agent needs the same number of rows")
+        prompt_len = max(m.shape[1] for m in prompt_masks)
+        self.length = prompt_len
+        self.step_index = 0
+        capacity = prompt_len + max_new_tokens
+        device = prompt_masks[0].device
+        rows_all = self.n * self.rows
+        self.keys, self.values = [], []
+        for i in range(len(first.model.layers)):
+            kb = prompt_caches[0].layers[i].keys.new_zeros(rows_all, self.kv_heads, capacity, self.head_dim)
+            vb = torch.zeros_like(kb)
+            for a, cache in enumerate(prompt_caches):
+                k, v = cache.layers[i].keys, cache.layers[i].values
+                if k.shape[:2] != (self.rows, self.kv_heads) or k.shape[-1] != self.head_dim:
+                    raise ValueError(f"unexpected cache layout {tuple(k.shape)}")
+                rows = slice(a * self.rows, (a + 1) * self.rows)
+                kb[rows, :, prompt_len - k.shape[2]:prompt_len] = k
+                vb[rows, :, prompt_len - v.shape[2]:prompt_len] = v
+            self.keys.append(kb)
+            self.values.append(vb)
+        allowed = torch.ones(rows_all, capacity, dtype=torch.bool, device=device)
+        for a, mask in enumerate(prompt_masks):
+            rows = slice(a * self.rows, (a + 1) * self.rows)
+            allowed[rows, :prompt_len] = False
+            allowed[rows, prompt_len - mask.shape[1]:prompt_len] = mask.bool()
+        self.bias = torch.zeros(rows_all, 1, 1, capacity, dtype=torch.float32, device=device) \
+            .masked_fill(~allowed[:, None, None, :], -torch.inf)
+        dtype = self.keys[0].dtype
+        rotary = first.model.rotary_emb
+        positions = torch.cat(first_positions).to(torch.float32)[:, None] + torch.arange(
+            max_new_tokens, device=device, dtype=torch.float32)[None, :]
+        freqs = positions[..., None] * rotary.inv_freq.to(device=device, dtype=torch.float32)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.cos = (emb.cos() * scaling).to(dtype)[:, :, None, :]  # [N*R, T, 1, hd]
+        sin = (emb.sin() * scaling).to(dtype)[:, :, None, :]
+        half = self.head_dim // 2
+        self.sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+        def stack(get):
+            return torch.stack([get(m) for m in models])
+
+        def stack_bias(get):
+            return None if get(first) is None else stack(get)[:, None, :]
+
+        self.embed = stack(lambda m: m.model.embed_tokens.weight)  # [N, V, H]
+        self.vocab = self.embed.shape[1]
+        self.layers = []
+        for i in range(len(first.model.layers)):
+            def layer(m, i=i):
+                return m.model.layers[i]
+            qkv_bias = [stack_bias(lambda m, p=p: getattr(layer(m).self_attn, p).bias)
+                        for p in ("q_proj", "k_proj", "v_proj")]
+            if any(b is not None for b in qkv_bias):
+                qkv_bias = torch.cat([b if b is not None else
+                                      torch.zeros(self.n, 1, w, dtype=dtype, device=device)
+                                      for b, w in zip(qkv_bias, (self.heads * self.head_dim,
+                                                                 self.kv_heads * self.head_dim,
+                                                                 self.kv_heads * self.head_dim))], dim=-1)
+            else:
+                qkv_bias = None
+            gate_bias = stack_bias(lambda m: layer(m).mlp.gate_proj.bias)
+            up_bias = stack_bias(lambda m: layer(m).mlp.up_proj.bias)
+            self.layers.append({
+                "ln1": (stack(lambda m: layer(m).input_layernorm.weight)[:, None, :],
+                        layer(first).input_layernorm.variance_epsilon),
+                "ln2": (stack(lambda m: layer(m).post_attention_layernorm.weight)[:, None, :],
+                        layer(first).post_attention_layernorm.variance_epsilon),
+                "qkv": (torch.cat([stack(lambda m, p=p: getattr(layer(m).self_attn, p).weight)
+                                   for p in ("q_proj", "k_proj", "v_proj")], dim=1).transpose(1, 2), qkv_bias),
+                "o": (stack(lambda m: layer(m).self_attn.o_proj.weight).transpose(1, 2),
+                      stack_bias(lambda m: layer(m).self_attn.o_proj.bias)),
+                "gate_up": (torch.cat([stack(lambda m: layer(m).mlp.gate_proj.weight),
+                                       stack(lambda m: layer(m).mlp.up_proj.weight)], dim=1).transpose(1, 2),
+                            None if gate_bias is None else torch.cat([gate_bias, up_bias], dim=-1)),
+                "down": (stack(lambda m: layer(m).mlp.down_proj.weight).transpose(1, 2),
+                         stack_bias(lambda m: layer(m).mlp.down_proj.bias)),
+            })
+        self.norm = (stack(lambda m: m.model.norm.weight)[:, None, :], first.model.norm.variance_epsilon)
+        self.head = (stack(lambda m: m.lm_head.weight).transpose(1, 2), stack_bias(lambda m: m.lm_head.bias))
+
+    @staticmethod
+    def _bmm(x: torch.Tensor, weight_bias: tuple[torch.Tensor, Optional[torch.Tensor]]) -> torch.Tensor:
+        weight, bias = weight_bias
+        return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias, x, weight)
+
+    @staticmethod
+    def _norm(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:
+        weight, eps = weight_eps
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` ``[N, R]``; returns next-token logits ``[N, R, V]``."""
+        n, rows, heads, kv, hd = self.n, self.rows, self.heads, self.kv_heads, self.head_dim
+        slot, t = self.length, self.step_index
+        offsets = torch.arange(n, device=tokens.device)[:, None] * self.vocab
+        x = F.embedding(tokens + offsets, self.embed.view(n * self.vocab, -1))  # [N, R, H]
+        cos, sin = self.cos[:, t], self.sin_signed[:, t]  # [N*R, 1, hd]
+        bias = self.bias[..., :slot + 1]
+        for i, w in enumerate(self.layers):
+            h = self._norm(x, w["ln1"])
+            q, k, v = self._bmm(h, w["qkv"]).split([heads * hd, kv * hd, kv * hd], dim=-1)
+            qk = torch.cat([q, k], dim=-1).view(n * rows, heads + kv, hd)
+            qk = qk * cos + qk.view(n * rows, heads + kv, 2, hd // 2).flip(2).view(n * rows, heads + kv, hd) * sin
+            q, k = qk[:, :heads], qk[:, heads:]
+            self.keys[i][:, :, slot] = k
+            self.values[i][:, :, slot] = v.reshape(n * rows, kv, hd)
+            scores = torch.matmul(q.reshape(n * rows, kv, heads // kv, hd),
+                                  self.keys[i][:, :, :slot + 1].transpose(-1, -2))
+            probs = torch.softmax(scores.float() * self.scale + bias, dim=-1).to(q.dtype)
+            out = torch.matmul(probs, self.values[i][:, :, :slot + 1])  # [N*R, kv, groups, hd]
+            x = x + self._bmm(out.reshape(n, rows, heads * hd), w["o"])
+            h = self._norm(x, w["ln2"])
+            gate, up = self._bmm(h, w["gate_up"]).chunk(2, dim=-1)
+            x = x + self._bmm(F.silu(gate) * up, w["down"])
+        self.length = slot + 1
+        self.step_index = t + 1
+        return self._bmm(self._norm(x, self.norm), self.head)

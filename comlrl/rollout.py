@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -30,6 +30,7 @@ __all__ = [
     "sample_tokens",
     "generate",
     "rollout",
+    "rollout_agents",
 ]
 
 
@@ -215,6 +216,37 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torc
     return ids.to(device), mask.to(device)
 
 
+@dataclass
+class _Prepared:
+    """One agent's encoded rows, before sampling."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    uniforms: torch.Tensor
+    group_ids: torch.Tensor
+
+
+def _prepare(model: torch.nn.Module, tokenizer, prompts: Sequence[str], seeds: Sequence[Sequence[int]],
+             params: SamplingParams, add_special_tokens: bool) -> _Prepared:
+    device = next(model.parameters()).device
+    # Prompts rendered by a chat template already carry their special tokens (BOS, role markers).
+    encoded = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
+    group_size = len(seeds[0])
+    rows = [ids for ids in encoded for _ in range(group_size)]
+    prompt_ids, prompt_mask = left_pad(rows, tokenizer.pad_token_id, device)
+    uniforms = row_uniforms([s for group in seeds for s in group], params.max_new_tokens)
+    group_ids = torch.arange(len(prompts), device=device).repeat_interleave(group_size)
+    return _Prepared(prompt_ids, prompt_mask, uniforms, group_ids)
+
+
+def _finish(prepared: _Prepared, completion_ids: torch.Tensor, tokenizer, eos_token_ids: Sequence[int]) -> Rollout:
+    # clone(): tensors made under inference_mode cannot enter the autograd graph of the update.
+    completion_ids = completion_ids.clone()
+    mask = completion_mask(completion_ids, eos_token_ids)
+    texts = decode_completions(tokenizer, completion_ids, mask, eos_token_ids)
+    return Rollout(prepared.prompt_ids, prepared.prompt_mask, completion_ids, mask, prepared.group_ids, texts)
+
+
 def rollout(model: torch.nn.Module, tokenizer, prompts: Sequence[str], seeds: Sequence[Sequence[int]],
             params: SamplingParams, eos_token_ids: Sequence[int], add_special_tokens: bool = True,
             backend: str = "auto") -> Rollout:
@@ -228,25 +260,113 @@ def rollout(model: torch.nn.Module, tokenizer, prompts: Sequence[str], seeds: Se
     Returns:
         A :class:`Rollout` with ``R = G * K`` rows, prompt-major.
     """
-    device = next(model.parameters()).device
-    # Prompts rendered by a chat template already carry their special tokens (BOS, role markers).
-    encoded = tokenizer(list(prompts), add_special_tokens=add_special_tokens)["input_ids"]
-    group_size = len(seeds[0])
-    rows = [ids for ids in encoded for _ in range(group_size)]
-    prompt_ids, prompt_mask = left_pad(rows, tokenizer.pad_token_id, device)
-    uniforms = row_uniforms([s for group in seeds for s in group], params.max_new_tokens)
-    was_training = model.training
-    model.eval()
-    try:
-        # clone(): tensors made under inference_mode cannot enter the autograd graph of the update.
-        completion_ids = generate(model, prompt_ids, prompt_mask, uniforms, params, eos_token_ids,
-                                  tokenizer.pad_token_id, backend).clone()
-    finally:
-        model.train(was_training)
-    mask = completion_mask(completion_ids, eos_token_ids)
-    texts = decode_completions(tokenizer, completion_ids, mask, eos_token_ids)
-    group_ids = torch.arange(len(prompts), device=device).repeat_interleave(group_size)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, mask, group_ids, texts)
+    prepared = _prepare(model, tokenizer, prompts, seeds, params, add_special_tokens)
+    with _eval_mode([model]):
+        completion_ids = generate(model, prepared.prompt_ids, prepared.prompt_mask, prepared.uniforms, params,
+                                  eos_token_ids, tokenizer.pad_token_id, backend)
+    return _finish(prepared, completion_ids, tokenizer, eos_token_ids)
+
+
+def rollout_agents(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any], prompts: Sequence[Sequence[str]],
+                   seeds: Sequence[Sequence[Sequence[int]]], params: SamplingParams,
+                   eos_token_ids: Sequence[Sequence[int]], add_special_tokens: Sequence[bool],
+                   backend: str = "auto") -> list[Rollout]:
+    """Every agent's :func:`rollout` for one turn (agents sample independently of each other).
+
+    With ``backend="auto"`` and agents of one supported layout (see
+    :func:`comlrl.fast_decode.stackable`: e.g. copies of one model), the agents take their one-token
+    steps together, weights stacked, in one :class:`comlrl.fast_decode.StackedDecoder`; otherwise
+    one :func:`rollout` per agent. Either way agent ``a``'s rows use its own seeds ``seeds[a]``.
+    """
+    if backend != "auto" or len(models) < 2 or not fast_decode.stackable(list(models)):
+        return [rollout(m, t, p, s, params, e, add, backend)
+                for m, t, p, s, e, add in zip(models, tokenizers, prompts, seeds, eos_token_ids, add_special_tokens)]
+    prepared = [_prepare(m, t, p, s, params, add)
+                for m, t, p, s, add in zip(models, tokenizers, prompts, seeds, add_special_tokens)]
+    with _eval_mode(models):
+        try:
+            completions = generate_stacked(list(models), prepared, params, eos_token_ids,
+                                           [t.pad_token_id for t in tokenizers])
+        except _FallBack:  # a model failed its one-time check: each agent on its own from now on
+            return rollout_agents(models, tokenizers, prompts, seeds, params, eos_token_ids, add_special_tokens,
+                                  backend)
+    return [_finish(p, c, t, e) for p, c, t, e in zip(prepared, completions, tokenizers, eos_token_ids)]
+
+
+class _FallBack(Exception):
+    """A stacked rollout found a model whose fast step disagrees with transformers."""
+
+
+class _eval_mode:
+    """Run models in eval mode (no dropout) and restore each one's mode afterwards."""
+
+    def __init__(self, models: Sequence[torch.nn.Module]):
+        self.models, self.modes = list(models), [m.training for m in models]
+
+    def __enter__(self):
+        for m in self.models:
+            m.eval()
+
+    def __exit__(self, *exc):
+        for m, mode in zip(self.models, self.modes):
+            m.train(mode)
+
+
+@torch.inference_mode()
+def generate_stacked(models: list[torch.nn.Module], prepared: list[_Prepared], params: SamplingParams,
+                     eos_token_ids: Sequence[Sequence[int]], pad_token_ids: Sequence[int]) -> list[torch.Tensor]:
+    """:func:`generate` for N models at once: each prefills its own prompts, then all take their
+    one-token steps in one :class:`comlrl.fast_decode.StackedDecoder` and draw their tokens in one
+    :func:`sample_tokens` call (every row still with its own uniforms). Agent ``a``'s result has
+    exactly the length :func:`generate` would give it (its rows' own stopping point).
+    """
+    n, rows = len(models), prepared[0].prompt_ids.shape[0]
+    device = prepared[0].prompt_ids.device
+    outs, first_positions = [], []
+    for model, p in zip(models, prepared):
+        positions = (p.prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+        outs.append(model(input_ids=p.prompt_ids, attention_mask=p.prompt_mask, position_ids=positions,
+                          use_cache=True, logits_to_keep=1))
+        first_positions.append(positions[:, -1] + 1)
+    decoder = fast_decode.StackedDecoder(models, [_output_cache(o) for o in outs],
+                                         [p.prompt_mask for p in prepared], first_positions, params.max_new_tokens)
+    check = [fast_decode.needs_check(m) for m in models]
+    if any(check):  # keep each model's transformers state for its one-time check
+        caches = [_output_cache(o) for o in outs]
+        attentions = [p.prompt_mask for p in prepared]
+    logits = torch.stack([o.logits[:, -1, :] for o in outs])  # [N, R, V]
+    vocab = logits.shape[-1]
+    uniforms = torch.cat([p.uniforms for p in prepared]).to(device)
+    pads = torch.tensor(pad_token_ids, device=device).repeat_interleave(rows)
+    eos = [torch.tensor(sorted(set(e)), device=device) for e in eos_token_ids]
+    finished = torch.zeros(n * rows, dtype=torch.bool, device=device)
+    lengths: list[Optional[int]] = [None] * n
+    steps = []
+    for t in range(params.max_new_tokens):
+        token = sample_tokens(logits.reshape(n * rows, vocab), uniforms[:, t], params.temperature, params.top_p,
+                              params.top_k)
+        token = torch.where(finished, pads, token)
+        steps.append(token)
+        finished |= torch.cat([torch.isin(token[a * rows:(a + 1) * rows], eos[a]) for a in range(n)])
+        done = finished.view(n, rows).all(dim=1).tolist()
+        for a in range(n):
+            if lengths[a] is None and done[a]:
+                lengths[a] = t + 1
+        if t + 1 == params.max_new_tokens or all(done):
+            break
+        logits = decoder.step(token.view(n, rows))
+        if t == 0 and any(check):
+            for a, model in enumerate(models):
+                attentions[a] = torch.cat([attentions[a], torch.ones_like(attentions[a][:, :1])], dim=1)
+                if not check[a]:
+                    continue
+                ref = model(input_ids=token[a * rows:(a + 1) * rows, None], attention_mask=attentions[a],
+                            position_ids=first_positions[a][:, None], use_cache=True,
+                            **{_cache_kwarg(model): caches[a]})
+                if not fast_decode.record_check(model, logits[a], ref.logits[:, -1, :]):
+                    raise _FallBack()
+    completions = torch.stack(steps, dim=1).view(n, rows, -1)
+    return [completions[a, :, :lengths[a] or completions.shape[-1]] for a in range(n)]
 
 
 def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor,

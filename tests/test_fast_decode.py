@@ -105,3 +105,90 @@ def test_a_disagreeing_step_falls_back_for_good(monkeypatch, caplog):
     assert torch.equal(first, expected)  # the failed check's step and every later one came from transformers
     assert torch.equal(sample(model, "auto"), expected)
     assert fast_decode.needs_check(model) is False
+
+
+# --------------------------------------------------------------------------------------------
+# several agents decoding stacked
+# --------------------------------------------------------------------------------------------
+
+def two_agents(perturb=True):
+    path = tiny_model_dir()
+    models = [AutoModelForCausalLM.from_pretrained(path) for _ in range(2)]
+    if perturb:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(5)
+            for p in models[1].parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=g))
+    from transformers import AutoTokenizer
+
+    return models, AutoTokenizer.from_pretrained(path)
+
+
+AGENT_PROMPTS = [["Describe a city in the clouds:", "Hi"], ["Invent a new holiday and explain it, please:", "Yo"]]
+AGENT_SEEDS = [[[1, 2, 3, 4], [5, 6, 7, 8]], [[9, 10, 11, 12], [13, 14, 15, 16]]]
+
+
+@pytest.mark.parametrize("top_p,eos", [(1.0, [[0], [0]]), (0.9, [[0], [0, 7, 9]])])
+def test_stacked_agents_equal_each_agent_alone(top_p, eos):
+    """Different weights, prompt lengths and EOS sets per agent: the same completions, with each
+    agent's own length, as one rollout per agent."""
+    from comlrl.rollout import rollout, rollout_agents
+
+    models, tok = two_agents()
+    assert fast_decode.stackable(models)
+    params = SamplingParams(48, 1.0, top_p, 50)
+    together = rollout_agents(models, [tok, tok], AGENT_PROMPTS, AGENT_SEEDS, params, eos, [True, True])
+    alone = [rollout(m, tok, p, s, params, e) for m, p, s, e in zip(models, AGENT_PROMPTS, AGENT_SEEDS, eos)]
+    for x, y in zip(together, alone):
+        assert torch.equal(x.completion_ids, y.completion_ids) and x.texts == y.texts
+        assert torch.equal(x.prompt_ids, y.prompt_ids) and torch.equal(x.completion_mask, y.completion_mask)
+
+
+def test_stacked_steps_equal_transformers_steps():
+    models, _ = two_agents()
+    ids, mask = left_pad(PROMPTS, 0)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    tokens = torch.randint(3, 500, (len(PROMPTS), 6), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        outs = [m(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+                for m in models]
+        stacked = fast_decode.StackedDecoder(models, [_output_cache(o) for o in outs], [mask, mask],
+                                             [positions[:, -1] + 1] * 2, 6)
+        singles = [fast_decode.StaticDecoder(m, _output_cache(m(input_ids=ids, attention_mask=mask,
+                                                                 position_ids=positions, use_cache=True)),
+                                             mask, positions[:, -1] + 1, 6) for m in models]
+        for t in range(6):
+            both = stacked.step(torch.stack([tokens[:, t]] * 2))
+            for a in range(2):
+                torch.testing.assert_close(both[a], singles[a].step(tokens[:, t]), rtol=1e-5, atol=1e-5)
+
+
+def test_what_cannot_stack_decodes_agent_by_agent():
+    models, _ = two_agents()
+    assert not fast_decode.stackable(models[:1])
+    assert not fast_decode.stackable([models[0], models[0]])
+    other = AutoModelForCausalLM.from_pretrained(tiny_model_dir(hidden_size=32))
+    assert not fast_decode.stackable([models[0], other])
+    gpt2 = AutoModelForCausalLM.from_pretrained(tiny_model_dir(kind="gpt2"))
+    assert not fast_decode.stackable([gpt2, AutoModelForCausalLM.from_pretrained(tiny_model_dir(kind="gpt2"))])
+
+
+def test_a_disagreeing_agent_sends_the_turn_back_to_one_rollout_per_agent(monkeypatch, caplog):
+    from comlrl.rollout import rollout, rollout_agents
+
+    models, tok = two_agents()
+    params = SamplingParams(24, 1.0, 1.0, 50)
+    expected = [rollout(m, tok, p, s, params, [0], backend="hf")
+                for m, p, s in zip(models, AGENT_PROMPTS, AGENT_SEEDS)]
+    for m in models:
+        fast_decode._VERIFIED.pop(m, None)
+    original = fast_decode.StackedDecoder.step
+    monkeypatch.setattr(fast_decode.StackedDecoder, "step", lambda self, tokens: original(self, tokens) + 1.0)
+    single = fast_decode.StaticDecoder.step  # the agent not checked yet then fails its own check
+    monkeypatch.setattr(fast_decode.StaticDecoder, "step", lambda self, tokens: single(self, tokens) + 1.0)
+    with caplog.at_level(logging.WARNING, logger="comlrl"):
+        got = rollout_agents(models, [tok, tok], AGENT_PROMPTS, AGENT_SEEDS, params, [[0], [0]], [True, True])
+    assert "disagrees" in caplog.text
+    assert not fast_decode.stackable(models) and all(fast_decode._VERIFIED[m] is False for m in models)
+    for x, y in zip(got, expected):
+        assert torch.equal(x.completion_ids, y.completion_ids)

@@ -40,7 +40,7 @@ from ...joint import cross_combinations, cross_returns, joint_actions_per_group
 from ...logging import JsonlSink, WandbSink, check_wandb_config
 from ...losses import kl_penalty, policy_gradient_loss, sequence_log_probs
 from ...rewards import RewardFunction
-from ...rollout import Rollout, SamplingParams, derive_seed, rollout
+from ...rollout import Rollout, SamplingParams, derive_seed, rollout_agents
 from ...timing import PhaseTimer
 from ...utils import set_seed
 from .config import RESUMABLE_FIELDS, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
@@ -475,15 +475,14 @@ class MAGRPOTrainer:
         return turns
 
     def _sample_nodes(self, nodes: list[Node], seed_of: Callable[[int, Node, int], int]) -> list[Rollout]:
-        """Each agent's K completions for every node, one batched call per agent."""
+        """Each agent's K completions for every node: one batched call per agent (or one for all
+        agents together, when they can decode stacked; see :func:`comlrl.rollout.rollout_agents`)."""
         k = self.args.num_generations
-        outs = []
-        for a, (model, tok) in enumerate(zip(self.agents, self.tokenizers)):
-            seeds = [[seed_of(a, node, g) for g in range(k)] for node in nodes]
-            outs.append(rollout(model, tok, [self._render(a, node.prompts[a]) for node in nodes], seeds,
-                                self.sampling, self.eos_token_ids[a], add_special_tokens=not self.chat_agents[a],
-                                backend=self.args.rollout_backend))
-        return outs
+        agents = range(self.num_agents)
+        return rollout_agents(
+            self.agents, self.tokenizers, [[self._render(a, node.prompts[a]) for node in nodes] for a in agents],
+            [[[seed_of(a, node, g) for g in range(k)] for node in nodes] for a in agents], self.sampling,
+            self.eos_token_ids, [not self.chat_agents[a] for a in agents], backend=self.args.rollout_backend)
 
     def _joint_completions(self, rollouts: list[Rollout], num_nodes: int) -> list[list[str]]:
         """``[N][nodes * J]``: agent a's completion in each joint action, node-major.
