@@ -103,14 +103,17 @@ class _LinearSelectedLogProbs(torch.autograd.Function):
             grad_logits.scatter_add_(-1, tokens[start:end, None], g[:, None])
             if ctx.temperature != 1.0:
                 grad_logits.div_(ctx.temperature)
-            grad_logits = grad_logits.to(hidden.dtype)
+            # Products in the dtype the forward ran in (under autocast the hidden states and weights
+            # may differ in dtype; the backward runs outside autocast), gradients in each input's dtype.
+            compute = hidden.dtype if hidden.dtype == weight.dtype else torch.float32
+            grad_logits = grad_logits.to(compute)
             if grad_hidden is not None:
-                grad_hidden[start:end] = grad_logits @ weight
+                grad_hidden[start:end] = grad_logits @ weight.to(compute)
             if ctx.needs_input_grad[1]:
-                part = grad_logits.t() @ hidden[start:end]
+                part = (grad_logits.t() @ hidden[start:end].to(compute)).to(weight.dtype)
                 grad_weight = part if grad_weight is None else grad_weight.add_(part)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                part = grad_logits.sum(dim=0)
+                part = grad_logits.sum(dim=0).to(bias.dtype)
                 grad_bias = part if grad_bias is None else grad_bias.add_(part)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -270,17 +272,33 @@ def rollout(model: torch.nn.Module, tokenizer, prompts: Sequence[str], seeds: Se
 def rollout_agents(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any], prompts: Sequence[Sequence[str]],
                    seeds: Sequence[Sequence[Sequence[int]]], params: SamplingParams,
                    eos_token_ids: Sequence[Sequence[int]], add_special_tokens: Sequence[bool],
-                   backend: str = "auto") -> list[Rollout]:
+                   backend: str = "auto", concurrent: Optional[bool] = None) -> list[Rollout]:
     """Every agent's :func:`rollout` for one turn (agents sample independently of each other).
 
     With ``backend="auto"`` and agents of one supported layout (see
     :func:`comlrl.fast_decode.stackable`: e.g. copies of one model), the agents take their one-token
-    steps together, weights stacked, in one :class:`comlrl.fast_decode.StackedDecoder`; otherwise
-    one :func:`rollout` per agent. Either way agent ``a``'s rows use its own seeds ``seeds[a]``.
+    steps together, weights stacked, in one :class:`comlrl.fast_decode.StackedDecoder`. Otherwise
+    each agent samples on its own, and agents on separate CUDA devices do so at the same time, one
+    thread per agent (``concurrent``; None = exactly then): CUDA kernels run asynchronously, so
+    the devices work in parallel. Either way agent ``a``'s rows use its own seeds ``seeds[a]`` and
+    the results are the same.
     """
     if backend != "auto" or len(models) < 2 or not fast_decode.stackable(list(models)):
-        return [rollout(m, t, p, s, params, e, add, backend)
-                for m, t, p, s, e, add in zip(models, tokenizers, prompts, seeds, eos_token_ids, add_special_tokens)]
+        devices = [next(m.parameters()).device for m in models]
+        if concurrent is None:
+            concurrent = len(set(devices)) == len(models) > 1 and all(d.type == "cuda" for d in devices)
+        if not concurrent:
+            return [rollout(m, t, p, s, params, e, add, backend) for m, t, p, s, e, add
+                    in zip(models, tokenizers, prompts, seeds, eos_token_ids, add_special_tokens)]
+        # Tokenizers are not thread-safe: encode here, sample in the threads.
+        prepared = [_prepare(m, t, p, s, params, add)
+                    for m, t, p, s, add in zip(models, tokenizers, prompts, seeds, add_special_tokens)]
+        with _eval_mode(models), ThreadPoolExecutor(max_workers=len(models), thread_name_prefix="comlrl-rollout") \
+                as pool:
+            futures = [pool.submit(_generate_on, d, m, p, params, e, t.pad_token_id, backend)
+                       for d, m, p, e, t in zip(devices, models, prepared, eos_token_ids, tokenizers)]
+            completions = [f.result() for f in futures]
+        return [_finish(p, c, t, e) for p, c, t, e in zip(prepared, completions, tokenizers, eos_token_ids)]
     prepared = [_prepare(m, t, p, s, params, add)
                 for m, t, p, s, add in zip(models, tokenizers, prompts, seeds, add_special_tokens)]
     with _eval_mode(models):
@@ -291,6 +309,15 @@ def rollout_agents(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any],
             return rollout_agents(models, tokenizers, prompts, seeds, params, eos_token_ids, add_special_tokens,
                                   backend)
     return [_finish(p, c, t, e) for p, c, t, e in zip(prepared, completions, tokenizers, eos_token_ids)]
+
+
+def _generate_on(device: torch.device, model: torch.nn.Module, prepared: _Prepared, params: SamplingParams,
+                 eos_token_ids: Sequence[int], pad_token_id: int, backend: str) -> torch.Tensor:
+    """:func:`generate` in a worker thread, with the agent's CUDA device current in that thread."""
+    context = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+    with context:
+        return generate(model, prepared.prompt_ids, prepared.prompt_mask, prepared.uniforms, params, eos_token_ids,
+                        pad_token_id, backend)
 
 
 class _FallBack(Exception):

@@ -192,3 +192,16 @@ def test_a_disagreeing_agent_sends_the_turn_back_to_one_rollout_per_agent(monkey
     assert not fast_decode.stackable(models) and all(fast_decode._VERIFIED[m] is False for m in models)
     for x, y in zip(got, expected):
         assert torch.equal(x.completion_ids, y.completion_ids)
+
+
+def test_concurrent_agents_sample_what_they_sample_one_after_another():
+    """The threaded path (agents on separate GPUs) forced on CPU: same completions."""
+    from comlrl.rollout import rollout_agents
+
+    models, tok = two_agents()
+    params = SamplingParams(24, 1.0, 1.0, 50)
+    args = (models, [tok, tok], AGENT_PROMPTS, AGENT_SEEDS, params, [[0], [0]], [True, True], "hf")
+    one_by_one = rollout_agents(*args, concurrent=False)
+    together = rollout_agents(*args, concurrent=True)
+    for x, y in zip(one_by_one, together):
+        assert torch.equal(x.completion_ids, y.completion_ids) and x.texts == y.texts

@@ -19,6 +19,7 @@ ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 JOINT_MODES = ("aligned", "cross")
 LOSS_TYPES = ("grpo", "token_mean", "dr_grpo")
 ROLLOUT_BACKENDS = ("auto", "hf")
+MIXED_PRECISIONS = ("bf16",)
 
 # Names users of other libraries type, mapped to ours, for the "unknown field" message.
 _ALIASES = {
@@ -33,6 +34,8 @@ _ALIASES = {
     "scale_rewards": "advantage_normalization",
     "group_size": "num_generations",
     "beta": "reference_kl_coef",
+    "bf16": "mixed_precision",
+    "fp16": "mixed_precision",
     "kl_coef": "reference_kl_coef",
 }
 
@@ -82,6 +85,7 @@ class MAGRPOConfig:
     max_new_tokens: int = _fixed(256, "Most tokens an agent generates per completion.")
     temperature: float = _fixed(1.0, "Sampling temperature; the loss scores tokens at the same temperature.")
     top_p: float = _fixed(1.0, "Nucleus sampling: keep the smallest token set with this much probability.")
+    mixed_precision: Optional[str] = _fixed(None, "'bf16': run rollout and loss forwards under torch.autocast(bfloat16) (weights and AdamW stay in their dtype); None = the model's dtype.")
     rollout_backend: str = _fixed("auto", "'auto': one-token steps on comlrl's lean decoder for Qwen2/Llama/Mistral (checked against transformers once per model), else transformers; 'hf': always the transformers forward.")
     top_k: Optional[int] = _fixed(50, "Keep only the k most likely tokens (transformers' default 50); None or 0 = no limit.")
 
@@ -136,6 +140,8 @@ class MAGRPOConfig:
         _check_choice(self, "advantage_mode", ADVANTAGE_MODES)
         _check_choice(self, "loss_type", LOSS_TYPES)
         _check_choice(self, "rollout_backend", ROLLOUT_BACKENDS)
+        if self.mixed_precision is not None:
+            _check_choice(self, "mixed_precision", MIXED_PRECISIONS)
         _check_float(self, "discount", lambda v: 0 <= v <= 1, "in [0, 1]")
         _check_float(self, "reference_kl_coef", lambda v: v >= 0, ">= 0 (0 disables the KL penalty)")
         if self.termination_threshold is not None:

@@ -11,6 +11,7 @@ One optimizer step::
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -479,10 +480,20 @@ class MAGRPOTrainer:
         agents together, when they can decode stacked; see :func:`comlrl.rollout.rollout_agents`)."""
         k = self.args.num_generations
         agents = range(self.num_agents)
-        return rollout_agents(
-            self.agents, self.tokenizers, [[self._render(a, node.prompts[a]) for node in nodes] for a in agents],
-            [[[seed_of(a, node, g) for g in range(k)] for node in nodes] for a in agents], self.sampling,
-            self.eos_token_ids, [not self.chat_agents[a] for a in agents], backend=self.args.rollout_backend)
+        with self._autocast():
+            return rollout_agents(
+                self.agents, self.tokenizers, [[self._render(a, node.prompts[a]) for node in nodes] for a in agents],
+                [[[seed_of(a, node, g) for g in range(k)] for node in nodes] for a in agents], self.sampling,
+                self.eos_token_ids, [not self.chat_agents[a] for a in agents], backend=self.args.rollout_backend)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """``torch.autocast(bfloat16)`` on every device type the agents use, with
+        ``mixed_precision="bf16"``; nothing otherwise."""
+        stack = contextlib.ExitStack()
+        if self.args.mixed_precision == "bf16":
+            for device_type in sorted({d.type for d in self.agent_devices}):
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=torch.bfloat16))
+        return stack
 
     def _joint_completions(self, rollouts: list[Rollout], num_nodes: int) -> list[list[str]]:
         """``[N][nodes * J]``: agent a's completion in each joint action, node-major.
@@ -522,7 +533,8 @@ class MAGRPOTrainer:
         # Eval mode, as during sampling: the gradient must be that of the policy that sampled
         # (dropout would make it another policy's, biasing the ratio-1 on-policy loss).
         model.eval()
-        logp = sequence_log_probs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, self.args.temperature)
+        with self._autocast():
+            logp = sequence_log_probs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, self.args.temperature)
         loss = policy_gradient_loss(logp, advantages.to(logp.device), ro.completion_mask, self.args.loss_type,
                                     self.args.max_new_tokens)
         kl = 0.0
@@ -537,7 +549,7 @@ class MAGRPOTrainer:
     def _reference_log_probs(self, agent: int, ro: Rollout) -> torch.Tensor:
         """``[R, T]`` log-probs of ``ro``'s completions under agent ``agent``'s initial policy: its
         frozen copy, or for a LoRA agent the shared base with adapters disabled (no copy)."""
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             reference = self.references[agent]
             if reference is None:  # an adapter agent: the base is its initial policy
                 with self.agents[agent].reference():
