@@ -237,13 +237,13 @@ def _layout(model: torch.nn.Module) -> tuple:
 def stackable(models: list[torch.nn.Module]) -> bool:
     """True if ``models`` (2 or more) can take their one-token steps together in one
     :class:`StackedDecoder`: all supported, not found to disagree, of one layout, and small enough
-    that a stacked copy of their weights (made per rollout) stays under ``FUSE_LIMIT_BYTES``."""
+    that a stacked copy of their decoder layers (made per rollout) stays under ``FUSE_LIMIT_BYTES``."""
     if len(models) < 2 or any(supports_static_decoding(m) is not None or _VERIFIED.get(m) is False for m in models):
         return False
     if len({id(m) for m in models}) != len(models):
         return False
     layouts = {_layout(m) for m in models}
-    size = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
+    size = sum(p.numel() * p.element_size() for m in models for p in m.model.layers.parameters())
     return len(layouts) == 1 and size <= FUSE_LIMIT_BYTES
 
 
@@ -317,8 +317,10 @@ class StackedDecoder:
         def stack_bias(get):
             return None if get(first) is None else stack(get)[:, None, :]
 
-        self.embed = stack(lambda m: m.model.embed_tokens.weight)  # [N, V, H]
-        self.vocab = self.embed.shape[1]
+        # Embeddings and output heads stay per agent (no copies: with large vocabularies they are
+        # most of the weights, and a lookup or a product per agent costs the same stacked or not).
+        self.embeds = [m.model.embed_tokens.weight for m in models]
+        self.heads_out = [(m.lm_head.weight, m.lm_head.bias) for m in models]
         self.layers = []
         for i in range(len(first.model.layers)):
             def layer(m, i=i):
@@ -351,7 +353,6 @@ class StackedDecoder:
                          stack_bias(lambda m: layer(m).mlp.down_proj.bias)),
             })
         self.norm = (stack(lambda m: m.model.norm.weight)[:, None, :], first.model.norm.variance_epsilon)
-        self.head = (stack(lambda m: m.lm_head.weight).transpose(1, 2), stack_bias(lambda m: m.lm_head.bias))
 
     @staticmethod
     def _bmm(x: torch.Tensor, weight_bias: tuple[torch.Tensor, Optional[torch.Tensor]]) -> torch.Tensor:
@@ -367,8 +368,7 @@ class StackedDecoder:
         """Feed ``tokens`` ``[N, R]``; returns next-token logits ``[N, R, V]``."""
         n, rows, heads, kv, hd = self.n, self.rows, self.heads, self.kv_heads, self.head_dim
         slot, t = self.length, self.step_index
-        offsets = torch.arange(n, device=tokens.device)[:, None] * self.vocab
-        x = F.embedding(tokens + offsets, self.embed.view(n * self.vocab, -1))  # [N, R, H]
+        x = torch.stack([F.embedding(tokens[a], weight) for a, weight in enumerate(self.embeds)])  # [N, R, H]
         cos, sin = self.cos[:, t], self.sin_signed[:, t]  # [N*R, 1, hd]
         bias = self.bias[..., :slot + 1]
         for i, w in enumerate(self.layers):
@@ -389,4 +389,5 @@ class StackedDecoder:
             x = x + self._bmm(F.silu(gate) * up, w["down"])
         self.length = slot + 1
         self.step_index = t + 1
-        return self._bmm(self._norm(x, self.norm), self.head)
+        x = self._norm(x, self.norm)
+        return torch.stack([F.linear(x[a], weight, bias) for a, (weight, bias) in enumerate(self.heads_out)])

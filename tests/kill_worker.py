@@ -33,7 +33,7 @@ if slow:
             return result
         return wrapper
 
-    ckpt._write_bytes = stretched(ckpt._write_bytes)
+    ckpt._write_tensors = stretched(ckpt._write_tensors)
 path = tiny_model_dir()
 trainer = MAGRPOTrainer(
     agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],
