@@ -186,7 +186,7 @@ def _split_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], 
     for index, per_param in state_dict["state"].items():
         for key, value in per_param.items():
             if isinstance(value, torch.Tensor):
-                tensors[f"{index}.{key}"] = value.detach().cpu().contiguous()
+                tensors[f"{index}.{key}"] = value.detach()
             else:
                 scalars.setdefault(str(index), {})[key] = value
     meta = {"param_groups": state_dict["param_groups"], "scalars": scalars}
@@ -217,10 +217,27 @@ class Snapshot:
     record: dict[str, Any]                                      # the JSON state, without the manifest
     files: dict[str, tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]]  # path -> (tensors, metadata)
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for tensors, _ in self.files.values() for t in tensors.values())
+
+
+def _copies(tensors: dict[str, torch.Tensor], reuse: Optional[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of ``tensors``, written into ``reuse``'s buffers where they fit
+    (no fresh allocation, hence no page faults, for every save of a run)."""
+    out = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach()
+        buffer = reuse.get(name) if reuse else None
+        if buffer is not None and buffer.shape == tensor.shape and buffer.dtype == tensor.dtype:
+            out[name] = buffer.copy_(tensor)
+        else:
+            out[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor)
+    return out
+
 
 def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]:
-    """A CPU copy of the state dict with tied tensors stored once, as ``safetensors.torch.save_model``
-    writes it (so ``load_model`` reads it back the same way)."""
+    """The state dict with tied tensors listed once, as ``safetensors.torch.save_model`` writes it
+    (so ``load_model`` reads it back the same way), and the metadata naming the dropped aliases."""
     state_dict = model.state_dict()
     metadata: Optional[dict[str, str]] = None
     for kept, removed in _remove_duplicate_names(state_dict).items():
@@ -228,14 +245,18 @@ def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Opt
             metadata = metadata or {}
             metadata.setdefault(name, kept)
             del state_dict[name]
-    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}, metadata
+    return state_dict, metadata
 
 
 def snapshot_checkpoint(number: int, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                         schedulers: Sequence[Any], state: dict[str, Any],
-                        rng_states: Optional[Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]] = None
-                        ) -> Snapshot:
-    """Copy what checkpoint ``number`` will hold (see :func:`save_checkpoint` for the arguments)."""
+                        rng_states: Optional[Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]] = None,
+                        reuse: Optional[Snapshot] = None) -> Snapshot:
+    """Copy what checkpoint ``number`` will hold (see :func:`save_checkpoint` for the arguments).
+
+    ``reuse``: an earlier snapshot whose files are written (or abandoned); its tensors are
+    overwritten and become this snapshot's, instead of allocating new ones.
+    """
     record = json.loads(json.dumps(state))  # a frozen copy: the live state keeps changing
     record["format_version"] = FORMAT_VERSION
     record["checkpoint"] = number
@@ -248,10 +269,14 @@ def snapshot_checkpoint(number: int, models: Sequence[torch.nn.Module], optimize
         rng_tensors.update({f"rank{r}/{k}": v.clone() for k, v in tensors.items()})
     files: dict[str, tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]] = {"rng.safetensors": (rng_tensors, None)}
     record["optimizers"] = []
+    old = reuse.files if reuse is not None else {}
     for i, (model, optimizer) in enumerate(zip(models, optimizers)):
-        files[f"agent-{i}/model.safetensors"] = _model_tensors(model)
+        name = f"agent-{i}/model.safetensors"
+        weights, metadata = _model_tensors(model)
+        files[name] = (_copies(weights, old.get(name, ({}, None))[0]), metadata)
         meta, tensors = _split_optimizer_state(optimizer.state_dict())
-        files[f"agent-{i}/optimizer.safetensors"] = ({k: v.clone() for k, v in tensors.items()}, None)
+        name = f"agent-{i}/optimizer.safetensors"
+        files[name] = (_copies(tensors, old.get(name, ({}, None))[0]), None)
         record["optimizers"].append(json.loads(json.dumps(meta)))
     record["schedulers"] = [json.loads(json.dumps(s.state_dict())) for s in schedulers]
     return Snapshot(record, files)

@@ -48,6 +48,10 @@ from .config import RESUMABLE_FIELDS, MAGRPOConfig, MAREINFORCEConfig, MAReMaxCo
 
 logger = logging.getLogger("comlrl")
 
+# Keep the last checkpoint snapshot's host-memory buffers for the next save up to this size (a
+# fresh copy each time page-faults its way in); larger states are copied afresh and released.
+REUSE_SNAPSHOT_BYTES = 2 * 2**30
+
 __all__ = ["MAGRPOTrainer", "MAREINFORCETrainer", "MARLOOTrainer", "MAReMaxTrainer"]
 
 
@@ -222,6 +226,7 @@ class MAGRPOTrainer:
         self._checkpoint_writer: Optional[ThreadPoolExecutor] = None
         self._pending_save: Optional[Future] = None
         self._fingerprint_cache: Optional[dict[str, Any]] = None
+        self._last_snapshot: Optional[ckpt.Snapshot] = None  # its buffers serve the next save
         self.wandb_identity: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------------------------------
@@ -996,9 +1001,11 @@ class MAGRPOTrainer:
             rng_states = dist.gather_objects(ckpt.capture_rng_state(), self.dist)  # every rank's
 
             def submit() -> Path:  # once, by rank 0; the weights are the same on every rank
-                snapshot = ckpt.snapshot_checkpoint(number, self.agents, self.optimizers, self.schedulers, record,
-                                                    rng_states)
                 self._wait_for_save()  # checkpoints commit in order; an earlier failure surfaces here
+                # The previous snapshot is written now: its buffers take this one's copies.
+                snapshot = ckpt.snapshot_checkpoint(number, self.agents, self.optimizers, self.schedulers, record,
+                                                    rng_states, reuse=self._last_snapshot)
+                self._last_snapshot = snapshot if snapshot.nbytes() <= REUSE_SNAPSHOT_BYTES else None
                 if self._checkpoint_writer is None:
                     self._checkpoint_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comlrl-checkpoint")
                 self._pending_save = self._checkpoint_writer.submit(self._write_checkpoint, checkpoint_dir, number,
