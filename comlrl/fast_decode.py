@@ -56,6 +56,25 @@ def supports_static_decoding(model: torch.nn.Module) -> Optional[str]:
     if any(getattr(layer.self_attn, name, None) is not None for layer in inner.layers
            for name in ("q_norm", "k_norm")):
         return "query/key norms"
+    # The steps read the modules' weights directly, so every module must compute exactly
+    # F.linear / RMSNorm on them: no adapters injected in place (peft LoRA layers keep the base
+    # weight in .weight), no hooks, no quantised or offloaded weights.
+    if getattr(model, "peft_config", None) or getattr(model, "_hf_peft_config_loaded", False):
+        return "adapters injected into the model"
+    linears = [model.lm_head] + [m for layer in inner.layers for m in (
+        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+    if any(type(m) is not torch.nn.Linear for m in linears) or type(inner.embed_tokens) is not torch.nn.Embedding:
+        return "projections that are not plain nn.Linear / nn.Embedding (adapters, quantisation)"
+    norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if any(not hasattr(n, "variance_epsilon") or not isinstance(getattr(n, "weight", None), torch.Tensor)
+           for n in norms):
+        return "unrecognised normalisation layers"
+    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+        return "forward hooks"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) != 1 or next(iter(devices)).type == "meta":
+        return "weights on several devices or not materialised"
     return None
 
 
@@ -199,7 +218,7 @@ def static_decoder_for(model: torch.nn.Module, prompt_cache: Any, prompt_mask: t
         return None
     try:
         return StaticDecoder(model, prompt_cache, prompt_mask, first_positions, max_new_tokens)
-    except (AttributeError, ValueError, IndexError) as exc:
+    except (AttributeError, ValueError, IndexError, RuntimeError) as exc:
         _VERIFIED[model] = False
         logger.warning("comlrl: fast decoding is unavailable for %s (%s); using the transformers forward.",
                        type(model).__name__, exc)

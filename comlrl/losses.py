@@ -85,10 +85,21 @@ class _LinearSelectedLogProbs(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias if bias is not None else torch.empty(0), tokens, torch.cat(sums),
                               *kept)
         ctx.temperature, ctx.chunk_rows, ctx.has_bias = temperature, chunk_rows, bias is not None
+        # The backward recomputes and multiplies under the forward's autocast setting (autocast
+        # is off during backward), so recomputed logits match the saved row sums.
+        device_type = hidden.device.type
+        ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
         return torch.cat(outs)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        device_type, enabled, dtype = ctx.autocast
+        with torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled):
+            return _LinearSelectedLogProbs._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         hidden, weight, bias, tokens, sums, *kept = ctx.saved_tensors
         bias = bias if ctx.has_bias else None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -103,8 +114,8 @@ class _LinearSelectedLogProbs(torch.autograd.Function):
             grad_logits.scatter_add_(-1, tokens[start:end, None], g[:, None])
             if ctx.temperature != 1.0:
                 grad_logits.div_(ctx.temperature)
-            # Products in the dtype the forward ran in (under autocast the hidden states and weights
-            # may differ in dtype; the backward runs outside autocast), gradients in each input's dtype.
+            # Products in the dtype the forward ran in (autocast's, when it was on; else the common
+            # dtype of hidden states and weights, float32 if they differ), gradients in each input's dtype.
             compute = hidden.dtype if hidden.dtype == weight.dtype else torch.float32
             grad_logits = grad_logits.to(compute)
             if grad_hidden is not None:

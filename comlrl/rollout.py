@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -23,6 +24,8 @@ import torch
 
 from . import fast_decode
 from .losses import completion_mask
+
+logger = logging.getLogger("comlrl")
 
 __all__ = [
     "Rollout",
@@ -95,12 +98,27 @@ def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: flo
         k = int(top_k)
         # k + 1 candidates, sorted descending: the extra one tells whether the k-th score is tied.
         top_scores, top_ids = torch.topk(scores, k + 1, dim=-1)
-        kth = top_scores[:, k - 1:k]
-        # Fast path: work on the k candidates only (O(k) instead of O(V) per step). Valid unless a
-        # tie at the k-th score keeps more than k tokens, as transformers' top-k does.
-        if bool((top_scores[:, k] < top_scores[:, k - 1]).all()):
+        # Fast path, row by row: work on the k candidates only (O(k) instead of O(V) per step).
+        # Valid unless a tie at the k-th score keeps more than k tokens, as transformers' top-k
+        # does; such rows take the full path. Each row's path depends on that row alone, so a
+        # row's token never depends on which other rows (or agents) share the batch.
+        untied = top_scores[:, k] < top_scores[:, k - 1]
+        if bool(untied.all()):
             return _sample_candidates(top_scores[:, :k], top_ids[:, :k], uniforms, top_p)
-        scores = scores.masked_fill(scores < kth, -torch.inf)
+        tokens = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
+        if bool(untied.any()):
+            tokens[untied] = _sample_candidates(top_scores[untied, :k], top_ids[untied, :k], uniforms[untied], top_p)
+        tied = ~untied
+        kth = top_scores[tied, k - 1:k]
+        rest = scores[tied]
+        tokens[tied] = _sample_full(rest.masked_fill(rest < kth, -torch.inf), uniforms[tied], top_p)
+        return tokens
+    return _sample_full(scores, uniforms, top_p)
+
+
+def _sample_full(scores: torch.Tensor, uniforms: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Inverse-CDF sampling over the whole vocabulary (token-id order) after the nucleus cut."""
+    vocab = scores.shape[-1]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float64)
     if top_p < 1.0:
         probs = probs.masked_fill(_nucleus_drop(probs, top_p), 0.0)
@@ -177,6 +195,8 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     next_position = positions[:, -1:] + 1
     fast = fast_decode.static_decoder_for(model, _output_cache(out), prompt_mask, next_position[:, 0],
                                           params.max_new_tokens) if backend == "auto" else None
+    if fast is not None and not fast_decode.needs_check(model):
+        out = None  # the static cache holds the prompt now: free transformers' copy
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     uniforms = uniforms.to(device)
     ones = torch.ones(rows, 1, dtype=attention.dtype, device=device)
@@ -283,7 +303,8 @@ def rollout_agents(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any],
     the devices work in parallel. Either way agent ``a``'s rows use its own seeds ``seeds[a]`` and
     the results are the same.
     """
-    if backend != "auto" or len(models) < 2 or not fast_decode.stackable(list(models)):
+    if backend != "auto" or len(models) < 2 or not fast_decode.stackable(list(models)) \
+            or len({len(p) * len(s[0]) for p, s in zip(prompts, seeds)}) > 1:
         devices = [next(m.parameters()).device for m in models]
         if concurrent is None:
             concurrent = len(set(devices)) == len(models) > 1 and all(d.type == "cuda" for d in devices)
@@ -293,9 +314,11 @@ def rollout_agents(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any],
         # Tokenizers are not thread-safe: encode here, sample in the threads.
         prepared = [_prepare(m, t, p, s, params, add)
                     for m, t, p, s, add in zip(models, tokenizers, prompts, seeds, add_special_tokens)]
+        # Autocast is per thread: hand the caller's setting to the workers.
+        autocast = {d.type: torch.get_autocast_dtype(d.type) for d in devices if torch.is_autocast_enabled(d.type)}
         with _eval_mode(models), ThreadPoolExecutor(max_workers=len(models), thread_name_prefix="comlrl-rollout") \
                 as pool:
-            futures = [pool.submit(_generate_on, d, m, p, params, e, t.pad_token_id, backend)
+            futures = [pool.submit(_generate_on, d, m, p, params, e, t.pad_token_id, backend, autocast)
                        for d, m, p, e, t in zip(devices, models, prepared, eos_token_ids, tokenizers)]
             completions = [f.result() for f in futures]
         return [_finish(p, c, t, e) for p, c, t, e in zip(prepared, completions, tokenizers, eos_token_ids)]
@@ -305,17 +328,28 @@ def rollout_agents(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any],
         try:
             completions = generate_stacked(list(models), prepared, params, eos_token_ids,
                                            [t.pad_token_id for t in tokenizers])
-        except _FallBack:  # a model failed its one-time check: each agent on its own from now on
+        except (_FallBack, RuntimeError, ValueError) as exc:
+            # A model failed its one-time check (each agent on its own from now on), or stacking
+            # failed for this batch: sample agent by agent.
+            if not isinstance(exc, _FallBack):
+                logger.warning("comlrl: stacked decoding failed (%s); sampling agent by agent.", exc)
+                return [rollout(m, t, p, s, params, e, add, backend) for m, t, p, s, e, add
+                        in zip(models, tokenizers, prompts, seeds, eos_token_ids, add_special_tokens)]
             return rollout_agents(models, tokenizers, prompts, seeds, params, eos_token_ids, add_special_tokens,
                                   backend)
     return [_finish(p, c, t, e) for p, c, t, e in zip(prepared, completions, tokenizers, eos_token_ids)]
 
 
 def _generate_on(device: torch.device, model: torch.nn.Module, prepared: _Prepared, params: SamplingParams,
-                 eos_token_ids: Sequence[int], pad_token_id: int, backend: str) -> torch.Tensor:
-    """:func:`generate` in a worker thread, with the agent's CUDA device current in that thread."""
-    context = torch.cuda.device(device) if device.type == "cuda" else nullcontext()
-    with context:
+                 eos_token_ids: Sequence[int], pad_token_id: int, backend: str,
+                 autocast: dict[str, torch.dtype]) -> torch.Tensor:
+    """:func:`generate` in a worker thread, with the agent's CUDA device current in that thread and
+    the calling thread's autocast settings (``{device_type: dtype}``)."""
+    with contextlib.ExitStack() as stack:
+        if device.type == "cuda":
+            stack.enter_context(torch.cuda.device(device))
+        for device_type, dtype in autocast.items():
+            stack.enter_context(torch.autocast(device_type=device_type, dtype=dtype))
         return generate(model, prepared.prompt_ids, prepared.prompt_mask, prepared.uniforms, params, eos_token_ids,
                         pad_token_id, backend)
 
@@ -362,6 +396,7 @@ def generate_stacked(models: list[torch.nn.Module], prepared: list[_Prepared], p
         caches = [_output_cache(o) for o in outs]
         attentions = [p.prompt_mask for p in prepared]
     logits = torch.stack([o.logits[:, -1, :] for o in outs])  # [N, R, V]
+    del outs  # the stacked cache holds the prompts now
     vocab = logits.shape[-1]
     uniforms = torch.cat([p.uniforms for p in prepared]).to(device)
     pads = torch.tensor(pad_token_ids, device=device).repeat_interleave(rows)

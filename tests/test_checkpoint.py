@@ -289,11 +289,15 @@ def test_settings_added_after_a_checkpoint_count_as_their_defaults(make_trainer,
     make_trainer(num_train_epochs=1).train(checkpoint_dir=tmp_path / "ckpt")
     state_file = tmp_path / "ckpt" / "checkpoint-1" / "trainer_state.json"
     state = json.loads(state_file.read_text())
-    for key in ("reference_kl_coef", "rollout_backend"):
+    for key in ("reference_kl_coef", "rollout_backend", "mixed_precision"):
         del state["fingerprints"]["config"][key]
     state_file.write_text(json.dumps(state))
-    make_trainer(num_train_epochs=2).train(resume_from_checkpoint=tmp_path / "ckpt" / "checkpoint-1",
-                                           checkpoint_dir=tmp_path / "ckpt")
+    # Before rollout_backend existed, rollouts ran the transformers loop: "auto" would not continue it.
+    with pytest.raises(ResumeMismatchError, match="rollout_backend: saved 'hf', now 'auto'"):
+        make_trainer(num_train_epochs=2).train(resume_from_checkpoint=tmp_path / "ckpt" / "checkpoint-1",
+                                               checkpoint_dir=tmp_path / "ckpt")
+    make_trainer(num_train_epochs=2, rollout_backend="hf").train(
+        resume_from_checkpoint=tmp_path / "ckpt" / "checkpoint-1", checkpoint_dir=tmp_path / "ckpt")
     with pytest.raises(ResumeMismatchError, match="reference_kl_coef"):
-        make_trainer(num_train_epochs=3, reference_kl_coef=0.1).train(
+        make_trainer(num_train_epochs=3, reference_kl_coef=0.1, rollout_backend="hf").train(
             resume_from_checkpoint=tmp_path / "ckpt" / "checkpoint-2", checkpoint_dir=tmp_path / "ckpt")

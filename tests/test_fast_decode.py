@@ -205,3 +205,30 @@ def test_concurrent_agents_sample_what_they_sample_one_after_another():
     together = rollout_agents(*args, concurrent=True)
     for x, y in zip(one_by_one, together):
         assert torch.equal(x.completion_ids, y.completion_ids) and x.texts == y.texts
+
+
+def test_concurrent_agents_keep_the_callers_autocast():
+    """Autocast is per thread: the workers must run under the caller's, or bf16 runs would sample
+    in float32 on multi-GPU setups."""
+    from comlrl.rollout import rollout_agents
+
+    models, tok = two_agents()
+    params = SamplingParams(24, 1.0, 1.0, 50)
+    args = (models, [tok, tok], AGENT_PROMPTS, AGENT_SEEDS, params, [[0], [0]], [True, True], "hf")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        one_by_one = rollout_agents(*args, concurrent=False)
+        together = rollout_agents(*args, concurrent=True)
+    for x, y in zip(one_by_one, together):
+        assert torch.equal(x.completion_ids, y.completion_ids)
+
+
+def test_a_row_samples_the_same_token_whatever_shares_its_batch():
+    """Rows with a tie at the k-th score take the full path, the others the fast one, row by row."""
+    from comlrl.rollout import sample_tokens
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 40, generator=g).round(decimals=1)  # many ties, some at the k-th score
+    uniforms = torch.rand(6, generator=g, dtype=torch.float64)
+    together = sample_tokens(logits, uniforms, 1.0, 0.8, 5)
+    alone = torch.cat([sample_tokens(logits[i:i + 1], uniforms[i:i + 1], 1.0, 0.8, 5) for i in range(6)])
+    assert torch.equal(together, alone)

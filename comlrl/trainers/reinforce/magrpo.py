@@ -51,6 +51,8 @@ logger = logging.getLogger("comlrl")
 # Keep the last checkpoint snapshot's host-memory buffers for the next save up to this size (a
 # fresh copy each time page-faults its way in); larger states are copied afresh and released.
 REUSE_SNAPSHOT_BYTES = 2 * 2**30
+# What runs did before a setting existed, where that differs from the setting's default now.
+LEGACY_SETTINGS = {"rollout_backend": "hf"}
 
 __all__ = ["MAGRPOTrainer", "MAREINFORCETrainer", "MARLOOTrainer", "MAReMaxTrainer"]
 
@@ -1038,16 +1040,24 @@ class MAGRPOTrainer:
 
     def _wait_for_save(self) -> None:
         """Block until the checkpoint being written (if any) is committed; raise its error."""
-        pending, self._pending_save = self._pending_save, None
-        if pending is not None:
+        pending = self._pending_save
+        if pending is None:
+            return
+        try:
             pending.result()
+        finally:
+            if pending.done():  # interrupted while waiting (Ctrl-C): still pending, still drained later
+                self._pending_save = None
 
     def _resume(self, path: Path) -> Path:
         saved = ckpt.read_state(path)
         fingerprints = dict(saved.get("fingerprints", {}))
         if isinstance(fingerprints.get("config"), dict):
-            # A setting added after the checkpoint was written counts as its default then.
-            defaults = {f.name: f.default for f in dataclasses.fields(self.args) if f.name not in RESUMABLE_FIELDS}
+            # A setting added after the checkpoint was written counts as what the code did before it
+            # existed: its default, or for rollout_backend the transformers loop ("hf").
+            defaults = {f.name: LEGACY_SETTINGS.get(f.name, f.default if f.default is not dataclasses.MISSING
+                                                     else f.default_factory())  # type: ignore[misc]
+                        for f in dataclasses.fields(self.args) if f.name not in RESUMABLE_FIELDS}
             fingerprints["config"] = {**{k: v for k, v in defaults.items() if k not in fingerprints["config"]},
                                       **fingerprints["config"]}
         differences = compare_fingerprints(fingerprints, self._fingerprints())
