@@ -88,7 +88,88 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 FUSE_LIMIT_BYTES = 256 * 2**20
 
 
-class StaticDecoder:
+class _CachedDecoder:
+    """What every decoder here shares: the prompt caches of one or more models (same layout)
+    copied into one pre-allocated key/value buffer per layer, rows ``[agent][row]``, prompts
+    aligned on the right; the additive attention bias; the rotary tables for every step; and one
+    layer's rotary + cache write + attention."""
+
+    def __init__(self, models: list[torch.nn.Module], prompt_caches: list[Any], prompt_masks: list[torch.Tensor],
+                 first_positions: list[torch.Tensor], max_new_tokens: int):
+        first = models[0]
+        config = first.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = self.head_dim ** -0.5
+        self.rows = prompt_masks[0].shape[0]  # per model
+        if any(m.shape[0] != self.rows for m in prompt_masks):
+            raise ValueError("every agent needs the same number of rows")
+        prompt_len = max(m.shape[1] for m in prompt_masks)
+        self.length = prompt_len  # filled cache positions
+        self.step_index = 0
+        capacity = prompt_len + max_new_tokens
+        device = prompt_masks[0].device
+        rows_all = len(models) * self.rows
+        self.keys, self.values = [], []
+        for i in range(len(first.model.layers)):
+            kb = prompt_caches[0].layers[i].keys.new_zeros(rows_all, self.kv_heads, capacity, self.head_dim)
+            vb = torch.zeros_like(kb)
+            for a, cache in enumerate(prompt_caches):
+                k, v = cache.layers[i].keys, cache.layers[i].values
+                if k.shape[:2] != (self.rows, self.kv_heads) or k.shape[-1] != self.head_dim:
+                    raise ValueError(f"unexpected cache layout {tuple(k.shape)}")
+                rows = slice(a * self.rows, (a + 1) * self.rows)
+                kb[rows, :, prompt_len - k.shape[2]:prompt_len] = k
+                vb[rows, :, prompt_len - v.shape[2]:prompt_len] = v
+            self.keys.append(kb)
+            self.values.append(vb)
+        # Attend to real prompt tokens and to every generated position (as the transformers loop
+        # does), as an additive bias [rows, 1, 1, capacity].
+        allowed = torch.ones(rows_all, capacity, dtype=torch.bool, device=device)
+        for a, mask in enumerate(prompt_masks):
+            rows = slice(a * self.rows, (a + 1) * self.rows)
+            allowed[rows, :prompt_len] = False
+            allowed[rows, prompt_len - mask.shape[1]:prompt_len] = mask.bool()
+        self.bias = torch.zeros(rows_all, 1, 1, capacity, dtype=torch.float32, device=device) \
+            .masked_fill(~allowed[:, None, None, :], -torch.inf)
+        # Rotary tables for every step at once (transformers computes them in float32).
+        dtype = self.keys[0].dtype
+        rotary = first.model.rotary_emb
+        positions = torch.cat(first_positions).to(torch.float32)[:, None] + torch.arange(
+            max_new_tokens, device=device, dtype=torch.float32)[None, :]
+        freqs = positions[..., None] * rotary.inv_freq.to(device=device, dtype=torch.float32)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        self.cos = (emb.cos() * scaling).to(dtype)[:, :, None, :]  # [rows, T, 1, head_dim]
+        sin = (emb.sin() * scaling).to(dtype)[:, :, None, :]
+        # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated)
+        half = self.head_dim // 2
+        self.sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+
+    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding on ``q``/``k`` (``[rows, ..]`` flat projections), the new key/value
+        into the cache, and one query per head attending over it; returns ``[rows, heads * hd]``."""
+        heads, kv, hd = self.heads, self.kv_heads, self.head_dim
+        rows, slot = q.shape[0], self.length
+        cos, sin = self.cos[:, self.step_index], self.sin_signed[:, self.step_index]  # [rows, 1, hd]
+        qk = torch.cat([q, k], dim=-1).view(rows, heads + kv, hd)
+        qk = qk * cos + qk.view(rows, heads + kv, 2, hd // 2).flip(2).view(rows, heads + kv, hd) * sin
+        q, k = qk[:, :heads], qk[:, heads:]
+        self.keys[layer][:, :, slot] = k
+        self.values[layer][:, :, slot] = v.reshape(rows, kv, hd)
+        # Grouped heads share their kv head.
+        scores = torch.matmul(q.reshape(rows, kv, heads // kv, hd), self.keys[layer][:, :, :slot + 1].transpose(-1, -2))
+        probs = torch.softmax(scores.float() * self.scale + self.bias[..., :slot + 1], dim=-1).to(q.dtype)
+        out = torch.matmul(probs, self.values[layer][:, :, :slot + 1])  # [rows, kv, groups, hd]
+        return out.reshape(rows, heads * hd)
+
+    def _advance(self) -> None:
+        self.length += 1
+        self.step_index += 1
+
+
+class StaticDecoder(_CachedDecoder):
     """One-token decode steps over a pre-allocated cache, for one model and one batch of rows.
 
     Args:
@@ -102,48 +183,9 @@ class StaticDecoder:
 
     def __init__(self, model: torch.nn.Module, prompt_cache: Any, prompt_mask: torch.Tensor,
                  first_positions: torch.Tensor, max_new_tokens: int):
-        config = model.config
+        super().__init__([model], [prompt_cache], [prompt_mask], [first_positions], max_new_tokens)
         self.model = model
         self.inner = model.model
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scale = self.head_dim ** -0.5
-        rows, prompt_len = prompt_mask.shape
-        self.rows = rows
-        self.length = prompt_len  # filled cache positions
-        self.step_index = 0
-        capacity = prompt_len + max_new_tokens
-        self.keys, self.values = [], []
-        for i in range(len(self.inner.layers)):
-            k, v = prompt_cache.layers[i].keys, prompt_cache.layers[i].values
-            if k.shape != (rows, self.kv_heads, prompt_len, self.head_dim):
-                raise ValueError(f"unexpected cache layout {tuple(k.shape)}")
-            kb = k.new_zeros(rows, self.kv_heads, capacity, self.head_dim)
-            vb = v.new_zeros(rows, self.kv_heads, capacity, self.head_dim)
-            kb[:, :, :prompt_len] = k
-            vb[:, :, :prompt_len] = v
-            self.keys.append(kb)
-            self.values.append(vb)
-        # Attend to real prompt tokens and to every generated position (as the transformers loop
-        # does), as an additive bias [R, 1, 1, capacity].
-        allowed = torch.ones(rows, capacity, dtype=torch.bool, device=prompt_mask.device)
-        allowed[:, :prompt_len] = prompt_mask.bool()
-        dtype = self.keys[0].dtype
-        self.bias = torch.zeros(rows, 1, 1, capacity, dtype=torch.float32, device=prompt_mask.device) \
-            .masked_fill(~allowed[:, None, None, :], -torch.inf)
-        # Rotary tables for every step at once (transformers computes them in float32).
-        rotary = self.inner.rotary_emb
-        positions = first_positions.to(torch.float32)[:, None] + torch.arange(
-            max_new_tokens, device=first_positions.device, dtype=torch.float32)[None, :]
-        freqs = positions[..., None] * rotary.inv_freq.to(device=positions.device, dtype=torch.float32)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.cos = (emb.cos() * scaling).to(dtype)[:, :, None, :]  # [R, T, 1, head_dim]
-        sin = (emb.sin() * scaling).to(dtype)[:, :, None, :]
-        # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated)
-        half = self.head_dim // 2
-        self.sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
         fuse = sum(p.numel() * p.element_size() for layer in self.inner.layers
                    for p in (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
                              layer.self_attn.v_proj.weight, layer.mlp.gate_proj.weight,
@@ -176,37 +218,22 @@ class StaticDecoder:
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` ``[R]`` (at each row's next position); returns next-token logits ``[R, V]``."""
-        rows, heads, kv, hd = self.rows, self.heads, self.kv_heads, self.head_dim
-        slot, t = self.length, self.step_index
+        heads, kv, hd = self.heads, self.kv_heads, self.head_dim
         x = F.embedding(tokens, self.inner.embed_tokens.weight)  # [R, H]
-        cos, sin = self.cos[:, t], self.sin_signed[:, t]  # [R, 1, hd]
-        bias = self.bias[..., :slot + 1]
         for i, w in enumerate(self.layers):
             h = _rms_norm(x, *w["ln1"])
             if "qkv" in w:
-                qkv = F.linear(h, *w["qkv"])
-                q, k, v = qkv.split([heads * hd, kv * hd, kv * hd], dim=-1)
+                q, k, v = F.linear(h, *w["qkv"]).split([heads * hd, kv * hd, kv * hd], dim=-1)
             else:
                 q, k, v = (F.linear(h, *wb) for wb in w["split"][:3])
-            # Rotary embedding on queries and keys together: [R, heads + kv, hd].
-            qk = torch.cat([q, k], dim=-1).view(rows, heads + kv, hd)
-            qk = qk * cos + qk.view(rows, heads + kv, 2, hd // 2).flip(2).view(rows, heads + kv, hd) * sin
-            q, k = qk[:, :heads], qk[:, heads:]
-            self.keys[i][:, :, slot] = k
-            self.values[i][:, :, slot] = v.view(rows, kv, hd)
-            # Attention of one query per head over the cache; grouped heads share their kv head.
-            scores = torch.matmul(q.reshape(rows, kv, heads // kv, hd), self.keys[i][:, :, :slot + 1].transpose(-1, -2))
-            probs = torch.softmax(scores.float() * self.scale + bias, dim=-1).to(q.dtype)
-            out = torch.matmul(probs, self.values[i][:, :, :slot + 1])  # [R, kv, groups, hd]
-            x = x + F.linear(out.reshape(rows, heads * hd), *w["o"])
+            x = x + F.linear(self._attend(i, q, k, v), *w["o"])
             h = _rms_norm(x, *w["ln2"])
             if "gate_up" in w:
                 gate, up = F.linear(h, w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)
             else:
                 gate, up = (F.linear(h, *wb) for wb in w["split"][3:])
             x = x + F.linear(F.silu(gate) * up, *w["down"])
-        self.length = slot + 1
-        self.step_index = t + 1
+        self._advance()
         x = _rms_norm(x, self.inner.norm.weight, self.inner.norm.variance_epsilon)
         return F.linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
 
@@ -261,12 +288,11 @@ def stackable(models: list[torch.nn.Module]) -> bool:
         return False
     if len({id(m) for m in models}) != len(models):
         return False
-    layouts = {_layout(m) for m in models}
     size = sum(p.numel() * p.element_size() for m in models for p in m.model.layers.parameters())
-    return len(layouts) == 1 and size <= FUSE_LIMIT_BYTES
+    return size <= FUSE_LIMIT_BYTES and len({_layout(m) for m in models}) == 1
 
 
-class StackedDecoder:
+class StackedDecoder(_CachedDecoder):
     """One-token steps of N models of one layout at once: the agents' weights stacked on a leading
     dimension, every product a batched matrix product. N agents then cost about the operations
     of one, which is what limits small-batch decoding.
@@ -281,54 +307,10 @@ class StackedDecoder:
 
     def __init__(self, models: list[torch.nn.Module], prompt_caches: list[Any], prompt_masks: list[torch.Tensor],
                  first_positions: list[torch.Tensor], max_new_tokens: int):
+        super().__init__(models, prompt_caches, prompt_masks, first_positions, max_new_tokens)
         first = models[0]
-        config = first.config
-        self.models = models
         self.n = len(models)
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scale = self.head_dim ** -0.5
-        self.rows = prompt_masks[0].shape[0]
-        if any(m.shape[0] != self.rows for m in prompt_masks):
-            raise ValueError("every agent needs the same number of rows")
-        prompt_len = max(m.shape[1] for m in prompt_masks)
-        self.length = prompt_len
-        self.step_index = 0
-        capacity = prompt_len + max_new_tokens
-        device = prompt_masks[0].device
-        rows_all = self.n * self.rows
-        self.keys, self.values = [], []
-        for i in range(len(first.model.layers)):
-            kb = prompt_caches[0].layers[i].keys.new_zeros(rows_all, self.kv_heads, capacity, self.head_dim)
-            vb = torch.zeros_like(kb)
-            for a, cache in enumerate(prompt_caches):
-                k, v = cache.layers[i].keys, cache.layers[i].values
-                if k.shape[:2] != (self.rows, self.kv_heads) or k.shape[-1] != self.head_dim:
-                    raise ValueError(f"unexpected cache layout {tuple(k.shape)}")
-                rows = slice(a * self.rows, (a + 1) * self.rows)
-                kb[rows, :, prompt_len - k.shape[2]:prompt_len] = k
-                vb[rows, :, prompt_len - v.shape[2]:prompt_len] = v
-            self.keys.append(kb)
-            self.values.append(vb)
-        allowed = torch.ones(rows_all, capacity, dtype=torch.bool, device=device)
-        for a, mask in enumerate(prompt_masks):
-            rows = slice(a * self.rows, (a + 1) * self.rows)
-            allowed[rows, :prompt_len] = False
-            allowed[rows, prompt_len - mask.shape[1]:prompt_len] = mask.bool()
-        self.bias = torch.zeros(rows_all, 1, 1, capacity, dtype=torch.float32, device=device) \
-            .masked_fill(~allowed[:, None, None, :], -torch.inf)
-        dtype = self.keys[0].dtype
-        rotary = first.model.rotary_emb
-        positions = torch.cat(first_positions).to(torch.float32)[:, None] + torch.arange(
-            max_new_tokens, device=device, dtype=torch.float32)[None, :]
-        freqs = positions[..., None] * rotary.inv_freq.to(device=device, dtype=torch.float32)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.cos = (emb.cos() * scaling).to(dtype)[:, :, None, :]  # [N*R, T, 1, hd]
-        sin = (emb.sin() * scaling).to(dtype)[:, :, None, :]
-        half = self.head_dim // 2
-        self.sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        dtype, device = self.keys[0].dtype, self.keys[0].device
 
         def stack(get):
             return torch.stack([get(m) for m in models])
@@ -378,35 +360,18 @@ class StackedDecoder:
         weight, bias = weight_bias
         return torch.bmm(x, weight) if bias is None else torch.baddbmm(bias, x, weight)
 
-    @staticmethod
-    def _norm(x: torch.Tensor, weight_eps: tuple[torch.Tensor, float]) -> torch.Tensor:
-        weight, eps = weight_eps
-        return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` ``[N, R]``; returns next-token logits ``[N, R, V]``."""
         n, rows, heads, kv, hd = self.n, self.rows, self.heads, self.kv_heads, self.head_dim
-        slot, t = self.length, self.step_index
         x = torch.stack([F.embedding(tokens[a], weight) for a, weight in enumerate(self.embeds)])  # [N, R, H]
-        cos, sin = self.cos[:, t], self.sin_signed[:, t]  # [N*R, 1, hd]
-        bias = self.bias[..., :slot + 1]
         for i, w in enumerate(self.layers):
-            h = self._norm(x, w["ln1"])
-            q, k, v = self._bmm(h, w["qkv"]).split([heads * hd, kv * hd, kv * hd], dim=-1)
-            qk = torch.cat([q, k], dim=-1).view(n * rows, heads + kv, hd)
-            qk = qk * cos + qk.view(n * rows, heads + kv, 2, hd // 2).flip(2).view(n * rows, heads + kv, hd) * sin
-            q, k = qk[:, :heads], qk[:, heads:]
-            self.keys[i][:, :, slot] = k
-            self.values[i][:, :, slot] = v.reshape(n * rows, kv, hd)
-            scores = torch.matmul(q.reshape(n * rows, kv, heads // kv, hd),
-                                  self.keys[i][:, :, :slot + 1].transpose(-1, -2))
-            probs = torch.softmax(scores.float() * self.scale + bias, dim=-1).to(q.dtype)
-            out = torch.matmul(probs, self.values[i][:, :, :slot + 1])  # [N*R, kv, groups, hd]
-            x = x + self._bmm(out.reshape(n, rows, heads * hd), w["o"])
-            h = self._norm(x, w["ln2"])
+            h = _rms_norm(x, *w["ln1"])
+            q, k, v = (part.reshape(n * rows, -1) for part in
+                       self._bmm(h, w["qkv"]).split([heads * hd, kv * hd, kv * hd], dim=-1))
+            x = x + self._bmm(self._attend(i, q, k, v).view(n, rows, heads * hd), w["o"])
+            h = _rms_norm(x, *w["ln2"])
             gate, up = self._bmm(h, w["gate_up"]).chunk(2, dim=-1)
             x = x + self._bmm(F.silu(gate) * up, w["down"])
-        self.length = slot + 1
-        self.step_index = t + 1
-        x = self._norm(x, self.norm)
+        self._advance()
+        x = _rms_norm(x, *self.norm)
         return torch.stack([F.linear(x[a], weight, bias) for a, (weight, bias) in enumerate(self.heads_out)])

@@ -208,16 +208,17 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
         finished |= torch.isin(token, eos)
         if t + 1 == params.max_new_tokens or bool(finished.all()):
             break
-        attention = torch.cat([attention, ones], dim=1)
-        if fast is not None:
+        if fast is not None:  # the static cache needs no attention mask: only the transformers steps do
             fast_logits = fast.step(token)
             if fast_decode.needs_check(model):  # once per model: the same step through transformers
+                attention = torch.cat([attention, ones], dim=1)
                 out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=next_position,
                             use_cache=True, **{cache_kw: _output_cache(out)})
                 if not fast_decode.record_check(model, fast_logits, out.logits[:, -1, :]):
                     fast, fast_logits = None, out.logits[:, -1, :]
             logits = fast_logits
         else:
+            attention = torch.cat([attention, ones], dim=1)
             out = model(input_ids=token.unsqueeze(1), attention_mask=attention, position_ids=next_position,
                         use_cache=True, **{cache_kw: _output_cache(out)})
             logits = out.logits[:, -1, :]
@@ -303,40 +304,35 @@ def rollout_agents(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any],
     the devices work in parallel. Either way agent ``a``'s rows use its own seeds ``seeds[a]`` and
     the results are the same.
     """
-    if backend != "auto" or len(models) < 2 or not fast_decode.stackable(list(models)) \
-            or len({len(p) * len(s[0]) for p, s in zip(prompts, seeds)}) > 1:
-        devices = [next(m.parameters()).device for m in models]
-        if concurrent is None:
-            concurrent = len(set(devices)) == len(models) > 1 and all(d.type == "cuda" for d in devices)
-        if not concurrent:
-            return [rollout(m, t, p, s, params, e, add, backend) for m, t, p, s, e, add
-                    in zip(models, tokenizers, prompts, seeds, eos_token_ids, add_special_tokens)]
-        # Tokenizers are not thread-safe: encode here, sample in the threads.
-        prepared = [_prepare(m, t, p, s, params, add)
-                    for m, t, p, s, add in zip(models, tokenizers, prompts, seeds, add_special_tokens)]
-        # Autocast is per thread: hand the caller's setting to the workers.
-        autocast = {d.type: torch.get_autocast_dtype(d.type) for d in devices if torch.is_autocast_enabled(d.type)}
-        with _eval_mode(models), ThreadPoolExecutor(max_workers=len(models), thread_name_prefix="comlrl-rollout") \
-                as pool:
-            futures = [pool.submit(_generate_on, d, m, p, params, e, t.pad_token_id, backend, autocast)
-                       for d, m, p, e, t in zip(devices, models, prepared, eos_token_ids, tokenizers)]
-            completions = [f.result() for f in futures]
-        return [_finish(p, c, t, e) for p, c, t, e in zip(prepared, completions, tokenizers, eos_token_ids)]
+    # Tokenizers are not thread-safe: encode here, whatever samples afterwards.
     prepared = [_prepare(m, t, p, s, params, add)
                 for m, t, p, s, add in zip(models, tokenizers, prompts, seeds, add_special_tokens)]
+    pads = [t.pad_token_id for t in tokenizers]
+    completions = None
     with _eval_mode(models):
-        try:
-            completions = generate_stacked(list(models), prepared, params, eos_token_ids,
-                                           [t.pad_token_id for t in tokenizers])
-        except (_FallBack, RuntimeError, ValueError) as exc:
-            # A model failed its one-time check (each agent on its own from now on), or stacking
-            # failed for this batch: sample agent by agent.
-            if not isinstance(exc, _FallBack):
+        if backend == "auto" and len(models) > 1 and fast_decode.stackable(list(models)) \
+                and len({p.prompt_ids.shape[0] for p in prepared}) == 1:
+            try:
+                completions = generate_stacked(list(models), prepared, params, eos_token_ids, pads)
+            except _FallBack:  # a model failed its one-time check: each agent on its own from now on
+                pass
+            except (RuntimeError, ValueError) as exc:
                 logger.warning("comlrl: stacked decoding failed (%s); sampling agent by agent.", exc)
-                return [rollout(m, t, p, s, params, e, add, backend) for m, t, p, s, e, add
-                        in zip(models, tokenizers, prompts, seeds, eos_token_ids, add_special_tokens)]
-            return rollout_agents(models, tokenizers, prompts, seeds, params, eos_token_ids, add_special_tokens,
-                                  backend)
+        if completions is None:
+            devices = [next(m.parameters()).device for m in models]
+            if concurrent is None:
+                concurrent = len(set(devices)) == len(models) > 1 and all(d.type == "cuda" for d in devices)
+            if concurrent:
+                # Autocast is per thread: hand the caller's setting to the workers.
+                autocast = {d.type: torch.get_autocast_dtype(d.type) for d in devices
+                            if torch.is_autocast_enabled(d.type)}
+                with ThreadPoolExecutor(max_workers=len(models), thread_name_prefix="comlrl-rollout") as pool:
+                    futures = [pool.submit(_generate_on, d, m, p, params, e, pad, backend, autocast)
+                               for d, m, p, e, pad in zip(devices, models, prepared, eos_token_ids, pads)]
+                    completions = [f.result() for f in futures]
+            else:
+                completions = [generate(m, p.prompt_ids, p.prompt_mask, p.uniforms, params, e, pad, backend)
+                               for m, p, e, pad in zip(models, prepared, eos_token_ids, pads)]
     return [_finish(p, c, t, e) for p, c, t, e in zip(prepared, completions, tokenizers, eos_token_ids)]
 
 

@@ -556,14 +556,12 @@ class MAGRPOTrainer:
     def _reference_log_probs(self, agent: int, ro: Rollout) -> torch.Tensor:
         """``[R, T]`` log-probs of ``ro``'s completions under agent ``agent``'s initial policy: its
         frozen copy, or for a LoRA agent the shared base with adapters disabled (no copy)."""
-        with torch.no_grad(), self._autocast():
-            reference = self.references[agent]
-            if reference is None:  # an adapter agent: the base is its initial policy
-                with self.agents[agent].reference():
-                    return sequence_log_probs(self.agents[agent], ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
-                                              self.args.temperature)
-            return sequence_log_probs(reference, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
-                                      self.args.temperature)
+        reference = self.references[agent]
+        # An adapter agent's initial policy is the base: the agent itself with adapters disabled.
+        disabled = self.agents[agent].reference() if reference is None else contextlib.nullcontext()
+        with torch.no_grad(), self._autocast(), disabled:
+            return sequence_log_probs(reference if reference is not None else self.agents[agent], ro.prompt_ids,
+                                      ro.prompt_mask, ro.completion_ids, self.args.temperature)
 
     def _apply_gradients(self) -> list[float]:
         """Sum gradients over processes, then clip, step and zero every agent; returns the pre-clip
