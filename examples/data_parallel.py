@@ -10,14 +10,12 @@ the metrics, the checkpoints and the final models. See docs/scaling.md.
 """
 
 import argparse
-import math
-import os
 from pathlib import Path
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from comlrl import MAGRPOConfig, MAGRPOTrainer
-from comlrl.testing import tiny_model_dir
+from comlrl.testing import SEED_PROMPTS, length_ratio_reward, tiny_model_dir
 from comlrl.utils import find_latest_checkpoint
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -29,19 +27,6 @@ parser.add_argument("--lora", action="store_true", help="agents = LoRA adapters 
 parser.add_argument("--kl", type=float, default=0.0, help="reference_kl_coef (KL to each agent's initial policy)")
 parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
 cli = parser.parse_args()
-
-PROMPTS = ["Describe a city in the clouds:", "Invent a new holiday and explain it:",
-           "Write a bedtime story for a dragon:", "Design a playground on Mars:"]
-
-
-def length_ratio_reward(completions1, completions2):
-    """Agent 2 should answer 2-3 times longer than agent 1."""
-    out = []
-    for a, b in zip(completions1, completions2):
-        ratio = len(b) / max(len(a), 1)
-        out.append(math.exp(-(0.0 if 2 <= ratio <= 3 else min(abs(ratio - 2), abs(ratio - 3)))))
-    return out
-
 
 model_name = cli.model or str(tiny_model_dir())
 peft_config = None
@@ -56,7 +41,7 @@ trainer = MAGRPOTrainer(
     tokenizer=AutoTokenizer.from_pretrained(model_name),
     peft_config=peft_config,
     reward_func=length_ratio_reward,
-    train_dataset=[{"prompt": p} for p in PROMPTS],
+    train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
     args=MAGRPOConfig(num_train_epochs=cli.epochs, num_generations=4, max_new_tokens=32, logging_steps=1,
                       train_batch_size=cli.train_batch_size, reference_kl_coef=cli.kl,
                       agent_learning_rate=1e-3 if model_name != cli.model else 5e-6,

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from comlrl import MAGRPOConfig, ResumeMismatchError
 from comlrl.exceptions import ConfigError
@@ -90,7 +89,7 @@ def test_kl_starts_at_zero_and_restrains_drift(make_trainer, tmp_path):
         ["model.safetensors"] * 2
 
 
-def test_resume_with_kl_is_bit_exact_and_checks_the_reference(make_trainer, model_path, tmp_path):
+def test_resume_with_kl_is_bit_exact_and_checks_the_reference(make_trainer, tmp_path):
     full = make_trainer(num_train_epochs=4, reference_kl_coef=0.5)
     full.train(checkpoint_dir=tmp_path / "full")
     first = make_trainer(num_train_epochs=2, reference_kl_coef=0.5)
