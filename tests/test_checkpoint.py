@@ -301,3 +301,24 @@ def test_settings_added_after_a_checkpoint_count_as_their_defaults(make_trainer,
     with pytest.raises(ResumeMismatchError, match="reference_kl_coef"):
         make_trainer(num_train_epochs=3, reference_kl_coef=0.1, rollout_backend="hf").train(
             resume_from_checkpoint=tmp_path / "ckpt" / "checkpoint-2", checkpoint_dir=tmp_path / "ckpt")
+
+
+def test_a_snapshot_reuses_the_previous_buffers_and_holds_a_copy(make_trainer):
+    """The next save writes into the last snapshot's buffers (no fresh allocation), and a snapshot
+    is a copy: training after it does not change it."""
+    from comlrl import checkpoint as ckpt
+
+    trainer = make_trainer(num_train_epochs=1)
+    trainer.train()
+    args = (trainer.agents, trainer.optimizers, trainer.schedulers, {"run_id": "x"})
+    first = ckpt.snapshot_checkpoint(1, *args)
+    weights = first.files["agent-0/model.safetensors"][0]
+    name = next(iter(weights))
+    pointer, before = weights[name].data_ptr(), weights[name].clone()
+    with torch.no_grad():
+        for p in trainer.agents[0].parameters():
+            p.add_(1.0)
+    assert torch.equal(weights[name], before)
+    second = ckpt.snapshot_checkpoint(2, *args, reuse=first)
+    reused = second.files["agent-0/model.safetensors"][0][name]
+    assert reused.data_ptr() == pointer and torch.equal(reused, before + 1.0)

@@ -232,3 +232,33 @@ def test_a_row_samples_the_same_token_whatever_shares_its_batch():
     together = sample_tokens(logits, uniforms, 1.0, 0.8, 5)
     alone = torch.cat([sample_tokens(logits[i:i + 1], uniforms[i:i + 1], 1.0, 0.8, 5) for i in range(6)])
     assert torch.equal(together, alone)
+
+
+def test_models_the_lean_step_cannot_read_directly_are_refused():
+    """Adapters injected in place keep the base weight in ``.weight`` and hooks change outputs: the
+    lean step would silently skip both, so such models keep the transformers forward."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    injected = inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj"]), MODELS["qwen2-gqa"]())
+    assert "adapters" in fast_decode.supports_static_decoding(injected)
+    hooked = MODELS["qwen2-gqa"]()
+    hooked.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * 2)
+    assert "hooks" in fast_decode.supports_static_decoding(hooked)
+
+
+def test_a_failing_stacked_batch_is_sampled_agent_by_agent(monkeypatch, caplog):
+    from comlrl.rollout import rollout, rollout_agents
+
+    models, tok = two_agents()
+    params = SamplingParams(16, 1.0, 1.0, 50)
+    expected = [rollout(m, tok, p, s, params, [0]) for m, p, s in zip(models, AGENT_PROMPTS, AGENT_SEEDS)]
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(fast_decode, "StackedDecoder", broken)
+    with caplog.at_level(logging.WARNING, logger="comlrl"):
+        got = rollout_agents(models, [tok, tok], AGENT_PROMPTS, AGENT_SEEDS, params, [[0], [0]], [True, True])
+    assert "sampling agent by agent" in caplog.text
+    for x, y in zip(got, expected):
+        assert torch.equal(x.completion_ids, y.completion_ids)
