@@ -2,7 +2,7 @@
 
 Every process holds every agent. The prompts of each micro-batch are split across processes, each
 process rolls out, scores and back-propagates its share, and the agents' gradients are summed
-over processes (one flat all-reduce per agent and optimizer step) before the identical AdamW step
+over processes (bucketed all-reduces per agent and optimizer step) before the identical AdamW step
 on every process. Weights therefore stay equal on all ranks without ever being sent again.
 
 Why one explicit all-reduce per optimizer step rather than wrapping agents in
