@@ -5,7 +5,7 @@ process rolls out, scores and back-propagates its share, and the agents' gradien
 over processes (bucketed all-reduces per agent and optimizer step) before the identical AdamW step
 on every process. Weights therefore stay equal on all ranks without ever being sent again.
 
-Why one explicit all-reduce per optimizer step rather than wrapping agents in
+Why explicit all-reduces once per optimizer step rather than wrapping agents in
 ``DistributedDataParallel``: DDP synchronises inside ``backward`` and needs every rank to run the
 same number of forward/backward passes. Here a step runs one backward per agent, turn and
 micro-batch; with multi-turn early termination the number of turns differs between ranks, and the
