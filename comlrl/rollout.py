@@ -36,6 +36,7 @@ __all__ = [
     "generate",
     "rollout",
     "rollout_agents",
+    "TransformersRollout",
 ]
 
 
@@ -334,6 +335,34 @@ def rollout_agents(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any],
                 completions = [generate(m, p.prompt_ids, p.prompt_mask, p.uniforms, params, e, pad, backend)
                                for m, p, e, pad in zip(models, prepared, eos_token_ids, pads)]
     return [_finish(p, c, t, e) for p, c, t, e in zip(prepared, completions, tokenizers, eos_token_ids)]
+
+
+class TransformersRollout:
+    """The default rollout backend: the agents' own ``transformers`` models sample in this process
+    (:func:`rollout_agents`), so they always see the live weights.
+
+    Every backend has this interface (see also :class:`comlrl.vllm_backend.VLLMRollout`):
+    ``sample(prompts, seeds, params, eos_token_ids, add_special_tokens) -> list[Rollout]`` for one
+    turn of every agent; ``mark_stale(agents=None)`` after the agents' weights change; ``close()``.
+
+    Args:
+        decoder: ``"auto"`` (the lean decoder where supported) or ``"hf"`` (see :func:`generate`).
+    """
+
+    def __init__(self, models: Sequence[torch.nn.Module], tokenizers: Sequence[Any], decoder: str = "auto"):
+        self.models, self.tokenizers, self.decoder = list(models), list(tokenizers), decoder
+
+    def sample(self, prompts: Sequence[Sequence[str]], seeds: Sequence[Sequence[Sequence[int]]],
+               params: SamplingParams, eos_token_ids: Sequence[Sequence[int]],
+               add_special_tokens: Sequence[bool]) -> list[Rollout]:
+        return rollout_agents(self.models, self.tokenizers, prompts, seeds, params, eos_token_ids,
+                              add_special_tokens, backend=self.decoder)
+
+    def mark_stale(self, agents: Optional[Sequence[int]] = None) -> None:
+        """Nothing to do: sampling reads the models' parameters themselves."""
+
+    def close(self) -> None:
+        pass
 
 
 def _generate_on(device: torch.device, model: torch.nn.Module, prepared: _Prepared, params: SamplingParams,

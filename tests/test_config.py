@@ -89,7 +89,8 @@ def test_every_field_is_documented_in_one_line():
 
 def test_only_the_documented_fields_may_change_on_resume():
     assert RESUMABLE_FIELDS == {"num_train_epochs", "logging_steps", "output_dir", "device", "agent_devices",
-                                "eval_interval", "eval_num_samples"}
+                                "eval_interval", "eval_num_samples", "vllm_gpu_memory_utilization",
+                                "vllm_engine_kwargs"}
 
 
 def test_round_trip_through_dict():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import difflib
 import functools
 import math
@@ -18,7 +19,7 @@ __all__ = ["MAGRPOConfig", "MAREINFORCEConfig", "MARLOOConfig", "MAReMaxConfig",
 ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
 JOINT_MODES = ("aligned", "cross")
 LOSS_TYPES = ("grpo", "token_mean", "dr_grpo")
-ROLLOUT_BACKENDS = ("auto", "hf")
+ROLLOUT_BACKENDS = ("auto", "hf", "vllm")
 MIXED_PRECISIONS = ("bf16",)
 
 # Names users of other libraries type, mapped to ours, for the "unknown field" message.
@@ -86,7 +87,9 @@ class MAGRPOConfig:
     temperature: float = _fixed(1.0, "Sampling temperature; the loss scores tokens at the same temperature.")
     top_p: float = _fixed(1.0, "Nucleus sampling: keep the smallest token set with this much probability.")
     mixed_precision: Optional[str] = _fixed(None, "'bf16': run rollout and loss forwards under torch.autocast(bfloat16) (weights and AdamW stay in their dtype); None = the model's dtype.")
-    rollout_backend: str = _fixed("auto", "'auto': one-token steps on comlrl's lean decoder for Qwen2/Llama/Mistral (checked against transformers once per model), else transformers; 'hf': always the transformers forward.")
+    rollout_backend: str = _fixed("auto", "'auto': one-token steps on comlrl's lean decoder for Qwen2/Llama/Mistral (checked against transformers once per model), else transformers; 'hf': always the transformers forward; 'vllm': one colocated vLLM engine per agent (pip install 'comlrl[vllm]'; CUDA, full-model agents, one process).")
+    vllm_gpu_memory_utilization: Optional[float] = _may_change(None, "rollout_backend='vllm': fraction of its GPU each agent's engine may take; None = 0.3 shared by the engines on a device.")
+    vllm_engine_kwargs: Optional[dict] = _may_change(None, "rollout_backend='vllm': more vllm.LLM keyword arguments (JSON values), e.g. {'max_model_len': 4096}.")
     top_k: Optional[int] = _fixed(50, "Keep only the k most likely tokens (transformers' default 50); None or 0 = no limit.")
 
     # --- MAGRPO ------------------------------------------------------------------------------------
@@ -140,6 +143,23 @@ class MAGRPOConfig:
         _check_choice(self, "advantage_mode", ADVANTAGE_MODES)
         _check_choice(self, "loss_type", LOSS_TYPES)
         _check_choice(self, "rollout_backend", ROLLOUT_BACKENDS)
+        if self.vllm_gpu_memory_utilization is not None:
+            _check_float(self, "vllm_gpu_memory_utilization", lambda v: 0 < v <= 1, "in (0, 1]")
+        if self.vllm_engine_kwargs is not None:
+            if not isinstance(self.vllm_engine_kwargs, dict) or not all(isinstance(k, str) for k in self.vllm_engine_kwargs):
+                raise ConfigError(f"vllm_engine_kwargs must be a dict of vllm.LLM keyword arguments, got "
+                                  f"{self.vllm_engine_kwargs!r}.")
+            try:
+                json.dumps(self.vllm_engine_kwargs)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"vllm_engine_kwargs must hold JSON values (it is saved with every checkpoint): {exc}. "
+                                  "Pass plain numbers, strings, lists and dicts.") from exc
+        if self.rollout_backend == "vllm":
+            from ...vllm_backend import check_vllm_available
+            check_vllm_available()
+        elif self.vllm_gpu_memory_utilization is not None or self.vllm_engine_kwargs is not None:
+            raise ConfigError(f"vllm_gpu_memory_utilization / vllm_engine_kwargs only apply to rollout_backend='vllm' "
+                              f"(got rollout_backend={self.rollout_backend!r}); remove them or set rollout_backend='vllm'.")
         if self.mixed_precision is not None:
             _check_choice(self, "mixed_precision", MIXED_PRECISIONS)
         _check_float(self, "discount", lambda v: 0 <= v <= 1, "in [0, 1]")

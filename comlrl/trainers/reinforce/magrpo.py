@@ -41,7 +41,7 @@ from ...joint import cross_combinations, cross_returns, joint_actions_per_group
 from ...logging import JsonlSink, WandbSink, check_wandb_config
 from ...losses import kl_penalty, policy_gradient_loss, sequence_log_probs
 from ...rewards import RewardFunction
-from ...rollout import Rollout, SamplingParams, derive_seed, rollout_agents
+from ...rollout import Rollout, SamplingParams, TransformersRollout, derive_seed
 from ...timing import PhaseTimer
 from ...utils import set_seed
 from .config import RESUMABLE_FIELDS, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
@@ -222,6 +222,7 @@ class MAGRPOTrainer:
             for opt in self.optimizers
         ]
         self.sampling = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.top_k)
+        self.rollout_engine = self._rollout_engine()
         self.state = TrainState()
         self.run_id = dist.gather_objects(uuid.uuid4().hex, self.dist)[0]  # rank 0's, on every rank
         # Checkpoint files are written by one background thread while training goes on (rank 0).
@@ -488,10 +489,25 @@ class MAGRPOTrainer:
         k = self.args.num_generations
         agents = range(self.num_agents)
         with self._autocast():
-            return rollout_agents(
-                self.agents, self.tokenizers, [[self._render(a, node.prompts[a]) for node in nodes] for a in agents],
+            return self.rollout_engine.sample(
+                [[self._render(a, node.prompts[a]) for node in nodes] for a in agents],
                 [[[seed_of(a, node, g) for g in range(k)] for node in nodes] for a in agents], self.sampling,
-                self.eos_token_ids, [not self.chat_agents[a] for a in agents], backend=self.args.rollout_backend)
+                self.eos_token_ids, [not self.chat_agents[a] for a in agents])
+
+    def _rollout_engine(self) -> Any:
+        """The rollout backend ``rollout_backend`` names (see :class:`comlrl.rollout.TransformersRollout`)."""
+        if self.args.rollout_backend != "vllm":
+            return TransformersRollout(self.agents, self.tokenizers, self.args.rollout_backend)
+        if self.dist.world_size > 1:
+            raise ConfigError(f"rollout_backend='vllm' runs in one process for now; this is process {self.dist.rank} "
+                              f"of {self.dist.world_size}. Launch without torchrun, or use rollout_backend='auto'.")
+        if any(isinstance(m, AdapterAgent) for m in self.agents):
+            raise ConfigError("rollout_backend='vllm' does not serve LoRA agents yet (they would need vLLM's "
+                              "multi-LoRA engine); use rollout_backend='auto', or train full models.")
+        from ...vllm_backend import VLLMRollout
+        return VLLMRollout(self.agents, self.tokenizers, seed=self.args.seed,
+                           gpu_memory_utilization=self.args.vllm_gpu_memory_utilization,
+                           mixed_precision=self.args.mixed_precision, engine_kwargs=self.args.vllm_engine_kwargs)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         """``torch.autocast(bfloat16)`` on every device type the agents use, with
@@ -575,6 +591,7 @@ class MAGRPOTrainer:
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
+        self.rollout_engine.mark_stale()
         return norms
 
     def _loss_denominators(self, turns: list[Turn]) -> list[float]:
@@ -1062,6 +1079,7 @@ class MAGRPOTrainer:
         if differences:
             raise ResumeMismatchError(str(path), differences)
         loaded = ckpt.load_checkpoint(path, self.agents, self.optimizers, self.schedulers, rank=self.dist.rank)
+        self.rollout_engine.mark_stale()
         saved_world = int(loaded.get("world_size", 1))
         if saved_world != self.dist.world_size and self.dist.is_main:
             logger.warning(
