@@ -80,12 +80,17 @@ def supports_static_decoding(model: torch.nn.Module) -> Optional[str]:
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalised in float32, scaled by the weight in the input dtype."""
+    if x.dtype == torch.float32:  # the casts are no-ops: skip their calls
+        return weight * F.rms_norm(x, (x.shape[-1],), eps=eps)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 # Fuse q/k/v and gate/up projections into one matrix product each (a copy of those weights per
 # rollout) when the copy is at most this many bytes; larger models run the products separately.
 FUSE_LIMIT_BYTES = 256 * 2**20
+# StackedDecoder copies the agents' embedding tables (and output heads) into one stacked tensor
+# per rollout when they take at most this many bytes together.
+STACK_TABLES_BYTES = 16 * 2**20
 
 
 class _CachedDecoder:
@@ -133,7 +138,9 @@ class _CachedDecoder:
             allowed[rows, prompt_len - mask.shape[1]:prompt_len] = mask.bool()
         self.bias = torch.zeros(rows_all, 1, 1, capacity, dtype=torch.float32, device=device) \
             .masked_fill(~allowed[:, None, None, :], -torch.inf)
-        # Rotary tables for every step at once (transformers computes them in float32).
+        # Rotary tables for every step at once (transformers computes them in float32), one
+        # [rows, heads + kv_heads, hd] pair per step: the query heads' part carries the attention
+        # scale 1/sqrt(hd), so scores need no separate scaling.
         dtype = self.keys[0].dtype
         rotary = first.model.rotary_emb
         positions = torch.cat(first_positions).to(torch.float32)[:, None] + torch.arange(
@@ -141,26 +148,30 @@ class _CachedDecoder:
         freqs = positions[..., None] * rotary.inv_freq.to(device=device, dtype=torch.float32)
         emb = torch.cat((freqs, freqs), dim=-1)
         scaling = float(getattr(rotary, "attention_scaling", 1.0))
-        self.cos = (emb.cos() * scaling).to(dtype)[:, :, None, :]  # [rows, T, 1, head_dim]
-        sin = (emb.sin() * scaling).to(dtype)[:, :, None, :]
+        cos, sin = emb.cos() * scaling, emb.sin() * scaling  # [rows, T, hd]
         # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated)
         half = self.head_dim // 2
-        self.sin_signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        head_scale = torch.cat([torch.full((self.heads, 1), self.scale, device=device),
+                                torch.ones(self.kv_heads, 1, device=device)])  # [heads + kv, 1]
+        self.rotary = [((cos[:, t, None, :] * head_scale).to(dtype), (sin[:, t, None, :] * head_scale).to(dtype))
+                       for t in range(max_new_tokens)]
 
-    def _attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Rotary embedding on ``q``/``k`` (``[rows, ..]`` flat projections), the new key/value
-        into the cache, and one query per head attending over it; returns ``[rows, heads * hd]``."""
+    def _attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding on the query/key part of ``qkv`` (``[rows, (heads + 2 kv) * hd]``, one
+        token per row), the new key/value into the cache, and one query per head attending over it;
+        returns ``[rows, heads * hd]``."""
         heads, kv, hd = self.heads, self.kv_heads, self.head_dim
-        rows, slot = q.shape[0], self.length
-        cos, sin = self.cos[:, self.step_index], self.sin_signed[:, self.step_index]  # [rows, 1, hd]
-        qk = torch.cat([q, k], dim=-1).view(rows, heads + kv, hd)
+        rows, slot, width = qkv.shape[0], self.length, (heads + kv) * hd
+        cos, sin = self.rotary[self.step_index]
+        qk = qkv[:, :width].view(rows, heads + kv, hd)
         qk = qk * cos + qk.view(rows, heads + kv, 2, hd // 2).flip(2).view(rows, heads + kv, hd) * sin
-        q, k = qk[:, :heads], qk[:, heads:]
-        self.keys[layer][:, :, slot] = k
-        self.values[layer][:, :, slot] = v.reshape(rows, kv, hd)
-        # Grouped heads share their kv head.
-        scores = torch.matmul(q.reshape(rows, kv, heads // kv, hd), self.keys[layer][:, :, :slot + 1].transpose(-1, -2))
-        probs = torch.softmax(scores.float() * self.scale + self.bias[..., :slot + 1], dim=-1).to(q.dtype)
+        self.keys[layer].select(2, slot).copy_(qk[:, heads:])
+        self.values[layer].select(2, slot).copy_(qkv[:, width:].view(rows, kv, hd))
+        # Grouped heads share their kv head; the query is already scaled.
+        scores = torch.matmul(qk[:, :heads].reshape(rows, kv, heads // kv, hd),
+                              self.keys[layer][:, :, :slot + 1].transpose(-1, -2))
+        probs = torch.softmax(scores.float() + self.bias[..., :slot + 1], dim=-1).to(qkv.dtype)
         out = torch.matmul(probs, self.values[layer][:, :, :slot + 1])  # [rows, kv, groups, hd]
         return out.reshape(rows, heads * hd)
 
@@ -218,15 +229,11 @@ class StaticDecoder(_CachedDecoder):
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` ``[R]`` (at each row's next position); returns next-token logits ``[R, V]``."""
-        heads, kv, hd = self.heads, self.kv_heads, self.head_dim
         x = F.embedding(tokens, self.inner.embed_tokens.weight)  # [R, H]
         for i, w in enumerate(self.layers):
             h = _rms_norm(x, *w["ln1"])
-            if "qkv" in w:
-                q, k, v = F.linear(h, *w["qkv"]).split([heads * hd, kv * hd, kv * hd], dim=-1)
-            else:
-                q, k, v = (F.linear(h, *wb) for wb in w["split"][:3])
-            x = x + F.linear(self._attend(i, q, k, v), *w["o"])
+            qkv = F.linear(h, *w["qkv"]) if "qkv" in w else torch.cat([F.linear(h, *wb) for wb in w["split"][:3]], -1)
+            x = x + F.linear(self._attend(i, qkv), *w["o"])
             h = _rms_norm(x, *w["ln2"])
             if "gate_up" in w:
                 gate, up = F.linear(h, w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)
@@ -318,10 +325,21 @@ class StackedDecoder(_CachedDecoder):
         def stack_bias(get):
             return None if get(first) is None else stack(get)[:, None, :]
 
-        # Embeddings and output heads stay per agent (no copies: with large vocabularies they are
-        # most of the weights, and a lookup or a product per agent costs the same stacked or not).
-        self.embeds = [m.model.embed_tokens.weight for m in models]
-        self.heads_out = [(m.lm_head.weight, m.lm_head.bias) for m in models]
+        # Embeddings and output heads: stacked copies when small (one lookup / one batched product
+        # for all agents); per agent, uncopied, when large (large vocabularies are most of the
+        # weights, and there a lookup or a product per agent costs the same as stacked).
+        embeds = [m.model.embed_tokens.weight for m in models]
+        self.vocab_offsets = None
+        if sum(e.numel() * e.element_size() for e in embeds) <= STACK_TABLES_BYTES:
+            self.embed_all = torch.cat(embeds)  # [N * V_in, H]: agent a's rows from a * V_in
+            self.vocab_offsets = torch.arange(self.n, device=device)[:, None] * embeds[0].shape[0]
+        self.embeds = embeds
+        heads_out = [(m.lm_head.weight, m.lm_head.bias) for m in models]
+        self.head_all = None
+        if sum(w.numel() * w.element_size() for w, _ in heads_out) <= STACK_TABLES_BYTES \
+                and all(b is None for _, b in heads_out):
+            self.head_all = torch.stack([w.t() for w, _ in heads_out])  # [N, H, V]
+        self.heads_out = heads_out
         self.layers = []
         for i in range(len(first.model.layers)):
             def layer(m, i=i):
@@ -362,16 +380,20 @@ class StackedDecoder(_CachedDecoder):
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` ``[N, R]``; returns next-token logits ``[N, R, V]``."""
-        n, rows, heads, kv, hd = self.n, self.rows, self.heads, self.kv_heads, self.head_dim
-        x = torch.stack([F.embedding(tokens[a], weight) for a, weight in enumerate(self.embeds)])  # [N, R, H]
+        n, rows = self.n, self.rows
+        if self.vocab_offsets is not None:
+            x = F.embedding(tokens + self.vocab_offsets, self.embed_all)  # [N, R, H]
+        else:
+            x = torch.stack([F.embedding(tokens[a], weight) for a, weight in enumerate(self.embeds)])
         for i, w in enumerate(self.layers):
             h = _rms_norm(x, *w["ln1"])
-            q, k, v = (part.reshape(n * rows, -1) for part in
-                       self._bmm(h, w["qkv"]).split([heads * hd, kv * hd, kv * hd], dim=-1))
-            x = x + self._bmm(self._attend(i, q, k, v).view(n, rows, heads * hd), w["o"])
+            qkv = self._bmm(h, w["qkv"]).view(n * rows, -1)
+            x = x + self._bmm(self._attend(i, qkv).view(n, rows, -1), w["o"])
             h = _rms_norm(x, *w["ln2"])
             gate, up = self._bmm(h, w["gate_up"]).chunk(2, dim=-1)
             x = x + self._bmm(F.silu(gate) * up, w["down"])
         self._advance()
         x = _rms_norm(x, *self.norm)
+        if self.head_all is not None:
+            return torch.bmm(x, self.head_all)
         return torch.stack([F.linear(x[a], weight, bias) for a, (weight, bias) in enumerate(self.heads_out)])

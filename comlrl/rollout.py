@@ -425,7 +425,10 @@ def generate_stacked(models: list[torch.nn.Module], prepared: list[_Prepared], p
     vocab = logits.shape[-1]
     uniforms = torch.cat([p.uniforms for p in prepared]).to(device)
     pads = torch.tensor(pad_token_ids, device=device).repeat_interleave(rows)
-    eos = [torch.tensor(sorted(set(e)), device=device) for e in eos_token_ids]
+    # Each row's end-of-sequence ids, padded with -1 (no token): [N * R, E].
+    width = max(len(set(e)) for e in eos_token_ids)
+    eos = torch.tensor([sorted(set(e)) + [-1] * (width - len(set(e))) for e in eos_token_ids],
+                       device=device).repeat_interleave(rows, dim=0)
     finished = torch.zeros(n * rows, dtype=torch.bool, device=device)
     lengths: list[Optional[int]] = [None] * n
     steps = []
@@ -434,7 +437,7 @@ def generate_stacked(models: list[torch.nn.Module], prepared: list[_Prepared], p
                               params.top_k)
         token = torch.where(finished, pads, token)
         steps.append(token)
-        finished |= torch.cat([torch.isin(token[a * rows:(a + 1) * rows], eos[a]) for a in range(n)])
+        finished |= (token[:, None] == eos).any(dim=1)
         done = finished.view(n, rows).all(dim=1).tolist()
         for a in range(n):
             if lengths[a] is None and done[a]:
