@@ -14,6 +14,13 @@ chooses the tokens. Resumed == uninterrupted holds for weights, optimizer and da
 every backend; the samples are as reproducible as vLLM's kernels are (vLLM does not promise batch
 invariance unless asked), so a resumed vLLM run may draw other tokens than the uninterrupted one.
 
+Each engine is a vLLM process on its agent's GPU (``device_ids``). Because the trainer has already
+initialised CUDA, vLLM starts it with ``spawn``: scripts that train with this backend need the usual
+``if __name__ == "__main__":`` guard. The weight handles travel to that process pickled, which vLLM
+allows only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``; this module sets it (if unset) before
+building the engines (the traffic stays between local processes). Temperatures outside [0.01, 2]
+are refused (vLLM would refuse or silently change them).
+
 Scope (refused with a clear error when the trainer is built): full-model agents on CUDA devices in
 one process. LoRA agents (one shared base) and torchrun data parallelism need vLLM's multi-LoRA and
 multi-rank weight transfer; use ``rollout_backend="auto"`` for them.
@@ -25,9 +32,11 @@ stand-in with that interface (``tests/fake_vllm``); not run on a GPU with the re
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
+import os
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Sequence
@@ -48,13 +57,24 @@ TRANSFER_BACKENDS = {"cuda": "ipc"}
 # GPU memory fraction the engines of one device share when the config does not say
 # (the training step needs the rest: weights, gradients, AdamW state, activations).
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.3
+# Temperatures vLLM samples at as given: it refuses above 2 and raises values below 0.01 to 0.01
+# (vllm/sampling_params.py), which would sample at another temperature than the loss scores.
+TEMPERATURE_RANGE = (0.01, 2.0)
+# Packed IPC transfers go through one buffer; vLLM's default (1 GiB) is raised to the largest
+# weight when that is bigger (a 3B model's float32 embedding is 1.2 GB).
+MIN_TRANSFER_BUFFER_BYTES = 1 << 30
 
 
-def check_vllm_available() -> None:
-    """Raise :class:`ConfigError` unless ``import vllm`` can work."""
+def check_vllm_available(temperature: float = 1.0) -> None:
+    """Raise :class:`ConfigError` unless ``import vllm`` can work and vLLM samples at ``temperature``."""
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"rollout_backend='vllm' needs the vLLM package, which is not installed: {INSTALL_HINT}. "
                           "Or use rollout_backend='auto' (transformers models sampled in-process).")
+    low, high = TEMPERATURE_RANGE
+    if not low <= temperature <= high:
+        raise ConfigError(f"rollout_backend='vllm' samples at temperatures in [{low}, {high}] only (vLLM refuses higher "
+                          f"ones and silently raises lower ones to {low}); got temperature={temperature}. Change "
+                          "temperature, or use rollout_backend='auto'.")
 
 
 class _LLMClient:
@@ -75,6 +95,15 @@ class _LLMClient:
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
         self.llm.finish_weight_update(weight_version)
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def _on_device(device: torch.device):
+    """``torch.cuda.device(device)`` for a CUDA device; nothing otherwise."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _engine_dtype(model: torch.nn.Module, mixed_precision: Optional[str]) -> str:
@@ -108,6 +137,9 @@ class VLLMRollout:
                     f"rollout_backend='vllm' shares each agent's weights with its vLLM engine on the same GPU "
                     f"(CUDA IPC), but agent {a} is on {device}. Put the agents on CUDA devices (device='cuda' or "
                     "agent_devices), or use rollout_backend='auto'.")
+        # The weight updates reach each engine process as CUDA IPC handles, which vLLM passes between
+        # its own local processes with pickle only when this is set (read when an engine starts).
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         vllm = importlib.import_module("vllm")
         vllm_config = importlib.import_module("vllm.config")
         transfer = importlib.import_module("vllm.distributed.weight_transfer")
@@ -122,13 +154,18 @@ class VLLMRollout:
             # live weights arrive by transfer before its first rollout, whatever their origin.
             folder = tempfile.TemporaryDirectory(prefix=f"comlrl-vllm-agent{a}-")
             self._dirs.append(folder)
-            model.config.save_pretrained(folder.name)
+            config = model.config
+            if not getattr(config, "architectures", None):  # vLLM picks its model class by this name
+                config = type(config).from_dict({**config.to_dict(), "architectures": [type(model).__name__]})
+            config.save_pretrained(folder.name)
             tokenizer.save_pretrained(folder.name)
             backend = TRANSFER_BACKENDS[device.type]
             kwargs = dict(model=folder.name, tokenizer=folder.name, load_format="dummy", seed=seed,
                           dtype=_engine_dtype(model, mixed_precision), gpu_memory_utilization=share,
                           enable_prefix_caching=True,
                           weight_transfer_config=vllm_config.WeightTransferConfig(backend=backend))
+            if device.type == "cuda":  # the engine on its agent's GPU (IPC shares memory within one GPU)
+                kwargs["device_ids"] = [_cuda_index(device)]
             kwargs.update(engine_kwargs or {})
             try:
                 llm = vllm.LLM(**kwargs)
@@ -136,11 +173,15 @@ class VLLMRollout:
                 raise ConfigError(f"vLLM could not build an engine for agent {a} ({type(model).__name__} on "
                                   f"{device}): {exc}") from exc
             init_info = importlib.import_module(f"vllm.distributed.weight_transfer.{backend}_engine")
-            sender = transfer.WeightTransferTrainerFactory.trainer_init(
-                init_info=init_info.IPCTrainerInitInfo(rank=0, packed=True), client=_LLMClient(llm),
-                source=transfer.ModuleSource(model))
+            largest = max(p.numel() * p.element_size() for p in model.parameters())
+            with _on_device(device):  # the sender exports its tensors from the current CUDA device
+                sender = transfer.WeightTransferTrainerFactory.trainer_init(
+                    init_info=init_info.IPCTrainerInitInfo(
+                        rank=0, packed=True, packed_buffer_size_bytes=max(MIN_TRANSFER_BUFFER_BYTES, largest)),
+                    client=_LLMClient(llm), source=transfer.ModuleSource(model))
             self.engines.append(llm)
             self.senders.append(sender)
+        self.devices = devices
         self.stale = set(range(len(self.models)))
         self.weight_syncs = [0] * len(self.models)
 
@@ -152,9 +193,12 @@ class VLLMRollout:
     def _sync(self, a: int) -> None:
         if a not in self.stale:
             return
-        with torch.no_grad():
+        with torch.no_grad(), _on_device(self.devices[a]):
             self.senders[a].send_weights()
-        self.engines[a].reset_prefix_cache()  # cached prompt keys/values were computed by the old weights
+        # Cached prompt keys/values were computed by the old weights (finishing an update keeps them).
+        if self.engines[a].reset_prefix_cache() is False:
+            raise RuntimeError(f"vLLM could not clear agent {a}'s prefix cache after a weight update (requests still "
+                               "running?); its next completions would reuse keys and values of the old weights.")
         self.weight_syncs[a] += 1
         self.stale.discard(a)
 
@@ -206,7 +250,11 @@ class VLLMRollout:
         return out.to(prepared.prompt_ids.device)
 
     def close(self) -> None:
-        """Drop the engines (their GPU memory) and the config folders."""
+        """Shut the engines down (their processes and GPU memory) and remove the config folders."""
+        for llm in self.engines:
+            shutdown = getattr(getattr(getattr(llm, "llm_engine", None), "engine_core", None), "shutdown", None)
+            if callable(shutdown):
+                shutdown()
         self.engines, self.senders = [], []
         for folder in self._dirs:
             folder.cleanup()

@@ -62,6 +62,9 @@ def test_vllm_settings_are_checked_when_the_config_is_built(fake_vllm):
         MAGRPOConfig(rollout_backend="vllm", vllm_engine_kwargs={"compilation_config": object()})
     with pytest.raises(ConfigError, match="only apply to rollout_backend='vllm'"):
         MAGRPOConfig(vllm_engine_kwargs={"enforce_eager": True})
+    for temperature in (0.005, 2.5):  # vLLM would raise 0.005 to 0.01 silently, and refuse 2.5
+        with pytest.raises(ConfigError, match=r"temperatures in \[0.01, 2.0\]"):
+            MAGRPOConfig(rollout_backend="vllm", temperature=temperature)
     config = MAGRPOConfig(rollout_backend="vllm", vllm_gpu_memory_utilization=0.2,
                           vllm_engine_kwargs={"enforce_eager": True})
     assert config.to_dict()["vllm_engine_kwargs"] == {"enforce_eager": True}
@@ -158,3 +161,29 @@ def test_outputs_become_a_rollout_padded_after_the_end_of_sequence(fake_vllm, mo
     scripted = iter([[7, 8]] * 4)
     with pytest.raises(RuntimeError, match="end-of-sequence"):
         backend.sample([["Hello", "Write a story"]], [[[1, 2], [3, 4]]], params, [[eos]], [True])
+
+
+def test_engine_setup_a_real_vllm_needs(fake_vllm, model_path, tokenizer, monkeypatch):
+    """What vLLM 0.33 requires beyond the API shape: pickled IPC handles allowed, a transfer buffer
+    that holds the largest weight, a config naming its architecture, a prefix cache that really
+    was cleared."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import comlrl.vllm_backend as backend
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    monkeypatch.setattr(backend, "MIN_TRANSFER_BUFFER_BYTES", 1024)
+    config = AutoConfig.from_pretrained(model_path)
+    config.architectures = None  # a model built from a config, never saved
+    model = AutoModelForCausalLM.from_config(config)
+    engine = backend.VLLMRollout([model], [tokenizer])
+    import os
+    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert engine.senders[0].init_info.packed_buffer_size_bytes == largest > 1024
+    params = SamplingParams(max_new_tokens=3, top_k=50)
+    engine.sample([["Hello"]], [[[1, 2]]], params, [[tokenizer.eos_token_id]], [True])  # pushes, then samples
+    assert fake_vllm.LLM.instances[0].weight_updates == 1
+    engine.mark_stale()
+    fake_vllm.LLM.instances[0].blocks_in_use = True
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        engine.sample([["Hello"]], [[[1, 2]]], params, [[tokenizer.eos_token_id]], [True])

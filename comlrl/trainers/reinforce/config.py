@@ -156,7 +156,7 @@ class MAGRPOConfig:
                                   "Pass plain numbers, strings, lists and dicts.") from exc
         if self.rollout_backend == "vllm":
             from ...vllm_backend import check_vllm_available
-            check_vllm_available()
+            check_vllm_available(self.temperature)
         elif self.vllm_gpu_memory_utilization is not None or self.vllm_engine_kwargs is not None:
             raise ConfigError(f"vllm_gpu_memory_utilization / vllm_engine_kwargs only apply to rollout_backend='vllm' "
                               f"(got rollout_backend={self.rollout_backend!r}); remove them or set rollout_backend='vllm'.")

@@ -16,7 +16,7 @@ class SamplingParams:
     """The fields of vllm.SamplingParams 0.33 that comlrl sets (others keep vLLM's defaults)."""
 
     n: int = 1
-    temperature: float = 1.0
+    temperature: float = 1.0  # vLLM: > 2 refused, (0, 0.01) raised to 0.01
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
@@ -27,6 +27,13 @@ class SamplingParams:
     logprobs: Optional[int] = None
     detokenize: bool = True
     skip_special_tokens: bool = True
+
+
+def _check_sampling(sp: "SamplingParams") -> None:
+    if sp.temperature > 2.0:
+        raise ValueError(f"temperature must be in [0, 2], got {sp.temperature}")
+    if sp.top_k < -1:
+        raise ValueError(f"top_k must be -1 (disable), or at least 1, got {sp.top_k}")
 
 
 @dataclass
@@ -49,7 +56,8 @@ class RequestOutput:
 # Keyword arguments of vllm.LLM.__init__ in 0.33 (EngineArgs fields arrive through **kwargs there;
 # the ones comlrl or its tests pass are listed).
 _LLM_KWARGS = {"tokenizer", "seed", "dtype", "gpu_memory_utilization", "enforce_eager", "max_model_len",
-               "load_format", "enable_prefix_caching", "weight_transfer_config", "tensor_parallel_size"}
+               "load_format", "enable_prefix_caching", "weight_transfer_config", "tensor_parallel_size",
+               "device_ids", "max_num_seqs"}
 
 
 def weight_checksum(model: torch.nn.Module) -> float:
@@ -65,9 +73,12 @@ class LLM:
             raise TypeError(f"LLM() got unexpected keyword arguments {sorted(unknown)}")
         self.kwargs = kwargs
         config = AutoConfig.from_pretrained(model)
+        if not getattr(config, "architectures", None):
+            raise ValueError("No model architectures are specified")  # as vLLM's model registry
         if kwargs.get("load_format") == "dummy":
-            torch.manual_seed(12345)  # random weights, as vLLM's dummy loader
-            self.model = AutoModelForCausalLM.from_config(config)
+            with torch.random.fork_rng(devices=[]):  # the real engine lives in another process
+                torch.manual_seed(12345)  # random weights, as vLLM's dummy loader
+                self.model = AutoModelForCausalLM.from_config(config)
         else:
             self.model = AutoModelForCausalLM.from_pretrained(model)
         dtype = kwargs.get("dtype", "auto")
@@ -78,6 +89,7 @@ class LLM:
         self.updating = False
         self.cache_from_old_weights = False
         self.weight_updates = 0
+        self.blocks_in_use = False  # tests set it to see a refused prefix-cache reset
         self.requests: list[tuple[dict, SamplingParams]] = []
         self.weights_at_generate: list[float] = []  # a checksum of the engine's weights at each generate
         LLM.instances.append(self)
@@ -89,6 +101,8 @@ class LLM:
     def start_weight_update(self) -> None:
         if self.transfer_info is None:
             raise RuntimeError("start_weight_update before init_weight_transfer_engine")
+        if self.updating:
+            raise RuntimeError("start_weight_update while an update is in progress")
         self.updating = True
 
     def update_weights(self, request: dict) -> None:
@@ -108,10 +122,15 @@ class LLM:
         self.cache_from_old_weights = True
 
     def finish_weight_update(self, weight_version: Optional[str] = None) -> None:
+        if not self.updating:
+            raise RuntimeError("finish_weight_update without start_weight_update")
         self.updating = False
         self.weight_updates += 1
 
-    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """False (cache kept) while blocks are in use, as vLLM's block pool answers."""
+        if self.blocks_in_use:
+            return False
         self.cache_from_old_weights = False
         return True
 
@@ -131,6 +150,7 @@ class LLM:
             raise ValueError("one SamplingParams per prompt")
         outputs = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            _check_sampling(sp)
             self.requests.append((prompt, sp))
             outputs.append(RequestOutput(str(i), list(prompt["prompt_token_ids"]),
                                          [self._sample(list(prompt["prompt_token_ids"]), sp)]))

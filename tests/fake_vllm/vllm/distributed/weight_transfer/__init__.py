@@ -28,6 +28,10 @@ class _TrainerEngine:
     def send_weights(self) -> None:
         names, dtypes, shapes, tensors = [], [], [], []
         for name, tensor in self.source.iter_full():
+            size = tensor.numel() * tensor.element_size()
+            if self.init_info.packed and size > self.init_info.packed_buffer_size_bytes:
+                raise ValueError(f"Tensor {name!r} has size {size} exceeding buffer_size_bytes "
+                                 f"{self.init_info.packed_buffer_size_bytes}")
             names.append(name)
             dtypes.append(str(tensor.dtype).removeprefix("torch."))
             shapes.append(list(tensor.shape))

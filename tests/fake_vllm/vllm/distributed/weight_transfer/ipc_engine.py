@@ -9,4 +9,4 @@ class IPCTrainerInitInfo:
     backend: ClassVar[str] = "ipc"
     rank: int = field(kw_only=True)
     packed: bool = False
-    packed_buffer_size_bytes: int = 1 << 30
+    packed_buffer_size_bytes: int = 1 << 30  # vLLM: a single tensor larger than this is refused
