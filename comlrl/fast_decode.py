@@ -88,6 +88,9 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 # Fuse q/k/v and gate/up projections into one matrix product each (a copy of those weights per
 # rollout) when the copy is at most this many bytes; larger models run the products separately.
 FUSE_LIMIT_BYTES = 256 * 2**20
+# Per-step rotary tables ([rows, heads + kv_heads, head_dim] each) are built for all steps at once
+# up to this many bytes, else one step at a time (large batches x many heads x long completions).
+ROTARY_TABLES_BYTES = 32 * 2**20
 # StackedDecoder copies the agents' embedding tables (and output heads) into one stacked tensor
 # per rollout when they take at most this many bytes together.
 STACK_TABLES_BYTES = 16 * 2**20
@@ -138,9 +141,10 @@ class _CachedDecoder:
             allowed[rows, prompt_len - mask.shape[1]:prompt_len] = mask.bool()
         self.bias = torch.zeros(rows_all, 1, 1, capacity, dtype=torch.float32, device=device) \
             .masked_fill(~allowed[:, None, None, :], -torch.inf)
-        # Rotary tables for every step at once (transformers computes them in float32), one
-        # [rows, heads + kv_heads, hd] pair per step: the query heads' part carries the attention
-        # scale 1/sqrt(hd), so scores need no separate scaling.
+        # Rotary tables for every step at once (transformers computes them in float32), [rows, T,
+        # 1, hd]. Each step expands its slice once to [rows, heads + kv_heads, hd] with the query
+        # heads' part carrying the attention scale 1/sqrt(hd), so scores need no scaling op per
+        # layer (expanding every step up front would cost heads + kv times the memory).
         dtype = self.keys[0].dtype
         rotary = first.model.rotary_emb
         positions = torch.cat(first_positions).to(torch.float32)[:, None] + torch.arange(
@@ -152,10 +156,23 @@ class _CachedDecoder:
         # rotate_half(x) * sin == swap_halves(x) * (sin with its first half negated)
         half = self.head_dim // 2
         sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        head_scale = torch.cat([torch.full((self.heads, 1), self.scale, device=device),
-                                torch.ones(self.kv_heads, 1, device=device)])  # [heads + kv, 1]
-        self.rotary = [((cos[:, t, None, :] * head_scale).to(dtype), (sin[:, t, None, :] * head_scale).to(dtype))
-                       for t in range(max_new_tokens)]
+        self.head_scale = torch.cat([torch.full((self.heads, 1), self.scale, device=device),
+                                     torch.ones(self.kv_heads, 1, device=device)])  # [heads + kv, 1]
+        self.cos, self.sin = cos[:, :, None, :], sin[:, :, None, :]  # float32 [rows, T, 1, hd]
+        self.rotary_dtype = dtype
+        self.rotary_steps = None
+        if 2 * cos.numel() * (self.heads + self.kv_heads) * cos.element_size() <= ROTARY_TABLES_BYTES:
+            self.rotary_steps = [self._expand_rotary(t) for t in range(max_new_tokens)]  # all steps at once
+        self._rotary_for_step()
+
+    def _expand_rotary(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return ((self.cos[:, t] * self.head_scale).to(self.rotary_dtype),
+                (self.sin[:, t] * self.head_scale).to(self.rotary_dtype))
+
+    def _rotary_for_step(self) -> None:
+        """This step's ``(cos, sin)``, ``[rows, heads + kv, hd]`` each, query part scaled."""
+        t = min(self.step_index, self.cos.shape[1] - 1)
+        self.rotary = self.rotary_steps[t] if self.rotary_steps is not None else self._expand_rotary(t)
 
     def _attend(self, layer: int, qkv: torch.Tensor) -> torch.Tensor:
         """Rotary embedding on the query/key part of ``qkv`` (``[rows, (heads + 2 kv) * hd]``, one
@@ -163,7 +180,7 @@ class _CachedDecoder:
         returns ``[rows, heads * hd]``."""
         heads, kv, hd = self.heads, self.kv_heads, self.head_dim
         rows, slot, width = qkv.shape[0], self.length, (heads + kv) * hd
-        cos, sin = self.rotary[self.step_index]
+        cos, sin = self.rotary
         qk = qkv[:, :width].view(rows, heads + kv, hd)
         qk = qk * cos + qk.view(rows, heads + kv, 2, hd // 2).flip(2).view(rows, heads + kv, hd) * sin
         self.keys[layer].select(2, slot).copy_(qk[:, heads:])
@@ -178,6 +195,7 @@ class _CachedDecoder:
     def _advance(self) -> None:
         self.length += 1
         self.step_index += 1
+        self._rotary_for_step()
 
 
 class StaticDecoder(_CachedDecoder):

@@ -262,3 +262,14 @@ def test_a_failing_stacked_batch_is_sampled_agent_by_agent(monkeypatch, caplog):
     assert "sampling agent by agent" in caplog.text
     for x, y in zip(got, expected):
         assert torch.equal(x.completion_ids, y.completion_ids)
+
+
+def test_rotary_tables_built_step_by_step_when_large_give_the_same_steps(monkeypatch):
+    """Above ROTARY_TABLES_BYTES the per-step rotary tables are expanded one step at a time (memory
+    stays rows x T x head_dim); the logits are the same as with all steps built up front."""
+    model = MODELS["qwen2-gqa"]()
+    _, up_front = reference_and_fast_logits(model)
+    monkeypatch.setattr(fast_decode, "ROTARY_TABLES_BYTES", 0)
+    reference, step_by_step = reference_and_fast_logits(model)
+    assert torch.equal(up_front, step_by_step)
+    torch.testing.assert_close(step_by_step, reference, rtol=1e-4, atol=1e-4)
