@@ -237,16 +237,13 @@ class VLLMRollout:
         if len(rows) != len(requests) or any(not row for row in rows):
             raise RuntimeError(f"vLLM returned {len(rows)} completions for {len(requests)} requests "
                                "(or an empty one); expected one non-empty completion per request.")
-        width = max(len(row) for row in rows)
         stops_set = set(stops)
         if any(len(row) > params.max_new_tokens or (len(row) < params.max_new_tokens and row[-1] not in stops_set)
                for row in rows):
             raise RuntimeError(f"vLLM stopped a completion elsewhere than at an end-of-sequence token {stops} or "
                                f"after max_new_tokens={params.max_new_tokens} tokens.")
-        pad = self.tokenizers[a].pad_token_id
-        out = torch.full((len(rows), width), pad, dtype=torch.long)
-        for r, row in enumerate(rows):
-            out[r, :len(row)] = torch.tensor(row, dtype=torch.long)
+        out = torch.nn.utils.rnn.pad_sequence([torch.tensor(row, dtype=torch.long) for row in rows], batch_first=True,
+                                              padding_value=self.tokenizers[a].pad_token_id)
         return out.to(prepared.prompt_ids.device)
 
     def close(self) -> None:
