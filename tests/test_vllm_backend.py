@@ -187,3 +187,7 @@ def test_engine_setup_a_real_vllm_needs(fake_vllm, model_path, tokenizer, monkey
     fake_vllm.LLM.instances[0].blocks_in_use = True
     with pytest.raises(RuntimeError, match="prefix cache"):
         engine.sample([["Hello"]], [[[1, 2]]], params, [[tokenizer.eos_token_id]], [True])
+    folder = Path(engine._dirs[0].name)
+    assert (folder / "config.json").exists()
+    engine.close()  # stops the engine process and removes the config folder
+    assert fake_vllm.LLM.instances[0].shut_down and not folder.exists() and engine.engines == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
@@ -90,9 +91,15 @@ class LLM:
         self.cache_from_old_weights = False
         self.weight_updates = 0
         self.blocks_in_use = False  # tests set it to see a refused prefix-cache reset
+        self.shut_down = False
+        # vLLM 0.33: LLM.llm_engine.engine_core.shutdown() stops the engine process.
+        self.llm_engine = SimpleNamespace(engine_core=SimpleNamespace(shutdown=self._shutdown))
         self.requests: list[tuple[dict, SamplingParams]] = []
         self.weights_at_generate: list[float] = []  # a checksum of the engine's weights at each generate
         LLM.instances.append(self)
+
+    def _shutdown(self) -> None:
+        self.shut_down = True
 
     # --- weight transfer (vllm.entrypoints.rl.offline.RLOfflineMixin) ------------------------------
     def init_weight_transfer_engine(self, request: dict) -> None:
