@@ -9,7 +9,7 @@ Setups: 1, 2 and 4 full agents (separate copies, AdamW on all weights) and 1, 2 
 Each setup runs in a fresh process that imports everything, notes its RSS, builds the agents, then per
 agent does one forward/backward/AdamW step over a seed-workload-like batch (4 seed prompts x 4
 generations = 16 rows, the prompt left-padded + 64 completion tokens, the masked policy-gradient loss
-through ``comlrl.losses.sequence_log_probs``). It reports
+through ``comlrl.functional.sequence_log_probs``). It reports
 
   (a) the exact bytes of the unique tensor storages held for training after the step: parameters
       (the shared base counted once), gradients and AdamW state (exp_avg, exp_avg_sq, step);
@@ -62,7 +62,7 @@ def run_worker(kind: str, num_agents: int, model_dir: str, rank: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from comlrl.adapters import build_lora_agents
-    from comlrl.losses import policy_gradient_loss, sequence_log_probs
+    from comlrl.functional import policy_gradient_loss, sequence_log_probs
     from comlrl.rollout import left_pad
 
     torch.set_num_threads(1)

@@ -4,11 +4,16 @@
     from comlrl.utils import read_checkpoint_metadata
 """
 
-from .exceptions import (CheckpointDirError, CheckpointError, ComlrlError, ConfigError, DataError,
-                         ResumeMismatchError, RewardError, TokenizerError, TransitionError)
-from .trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+from importlib.metadata import PackageNotFoundError, version
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("comlrl")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+from .exceptions import (CheckpointDirError, CheckpointError, ComlrlError, ConfigError, DataError,  # noqa: E402
+                         ResumeMismatchError, RewardError, TokenizerError, TrainingError, TransitionError)
+from .trainers.reinforce import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 
 __all__ = [
     "MAGRPOConfig",
@@ -19,6 +24,7 @@ __all__ = [
     "TokenizerError",
     "RewardError",
     "TransitionError",
+    "TrainingError",
     "CheckpointError",
     "CheckpointDirError",
     "ResumeMismatchError",

@@ -38,7 +38,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from .exceptions import ConfigError
-from .fingerprint import _VOLATILE_CONFIG_KEYS, digest
+from .checkpoint.fingerprint import _VOLATILE_CONFIG_KEYS, digest
 
 __all__ = ["AdapterAgent", "build_lora_agents", "base_fingerprint", "starts_at_base"]
 

@@ -10,6 +10,8 @@ built-in exception a Python user would try first (``ValueError``, ``TypeError``)
     ├── TokenizerError         (ValueError)  tokenizer missing, incompatible with a model, ...
     ├── RewardError            (ValueError)  the reward function raised or returned bad values
     ├── TransitionError        (ValueError)  the external transition raised or returned bad prompts
+    ├── TrainingError          (RuntimeError) training cannot go on: a non-finite loss or gradient,
+    │                                         a trainer used after close(), ...
     └── CheckpointError        (ValueError)  a checkpoint is missing, incomplete, corrupted or tampered
         ├── CheckpointDirError               checkpoint_dir holds another run's checkpoints
         └── ResumeMismatchError              resuming with settings that must not change
@@ -24,6 +26,7 @@ __all__ = [
     "TokenizerError",
     "RewardError",
     "TransitionError",
+    "TrainingError",
     "CheckpointError",
     "CheckpointDirError",
     "ResumeMismatchError",
@@ -54,12 +57,17 @@ class TransitionError(ComlrlError, ValueError):
     """The external transition raised, or did not return one non-empty prompt string per agent."""
 
 
+class TrainingError(ComlrlError, RuntimeError):
+    """Training stopped: a loss or gradient is not finite (nothing was applied or saved), or the
+    trainer cannot be used any more."""
+
+
 class CheckpointError(ComlrlError, ValueError):
     """A checkpoint cannot be used: missing, incomplete, corrupted or tampered with."""
 
 
 class CheckpointDirError(CheckpointError):
-    """A fresh run was pointed at a directory that already holds another run's checkpoints."""
+    """A run was pointed at a checkpoint directory that another run holds or has written to."""
 
 
 class ResumeMismatchError(CheckpointError):
@@ -72,6 +80,6 @@ class ResumeMismatchError(CheckpointError):
         super().__init__(
             f"Cannot resume from {checkpoint}: the run was set up differently when it was saved.\n"
             f"{lines}\n"
-            "Only num_train_epochs, the device, logging/eval intervals and checkpoint settings may "
+            "Only num_train_epochs, devices, logging / evaluation settings and checkpoint settings may "
             "change on resume. Restore the items above, or start a fresh run in a new checkpoint_dir."
         )

@@ -5,7 +5,7 @@
     torchrun --nproc_per_node 2 examples/data_parallel.py --lora --kl 0.05   # LoRA agents on one base + KL
     torchrun --nproc_per_node 2 examples/data_parallel.py --resume    # continue from the newest checkpoint
 
-Each micro-batch of ``--train-batch-size`` prompts is split across the processes; rank 0 writes
+Each optimizer step's ``--train-batch-size`` prompts are split across the processes; rank 0 writes
 the metrics, the checkpoints and the final models. See docs/scaling.md.
 """
 
@@ -22,9 +22,11 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model", default=None, help="model directory or hub name (default: built-in tiny Qwen2)")
 parser.add_argument("--workdir", default="runs/data-parallel")
 parser.add_argument("--epochs", type=int, default=4)
-parser.add_argument("--train-batch-size", type=int, default=4, help="prompts per micro-batch, all processes together")
+parser.add_argument("--train-batch-size", type=int, default=4, help="prompts per optimizer step, all processes "
+                                                                  "together")
 parser.add_argument("--lora", action="store_true", help="agents = LoRA adapters on one shared base model")
-parser.add_argument("--kl", type=float, default=0.0, help="reference_kl_coef (KL to each agent's initial policy)")
+parser.add_argument("--kl", type=float, default=0.0, help="reference_kl_coef (KL to each agent's initial policy); "
+                                                           "0 = off")
 parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --workdir")
 cli = parser.parse_args()
 
@@ -42,8 +44,9 @@ trainer = MAGRPOTrainer(
     peft_config=peft_config,
     reward_func=length_ratio_reward,
     train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
-    args=MAGRPOConfig(num_train_epochs=cli.epochs, num_generations=4, max_new_tokens=32, logging_steps=1,
-                      train_batch_size=cli.train_batch_size, reference_kl_coef=cli.kl,
+    args=MAGRPOConfig(num_turns=1, num_train_epochs=cli.epochs, num_generations=4, max_new_tokens=32,
+                      logging_steps=1, temperature=1.0, top_p=1.0, rollout_buffer_size=cli.train_batch_size,
+                      reference_kl_enabled=cli.kl > 0, reference_kl_coef=cli.kl or 0.1, max_grad_norm=1.0,
                       agent_learning_rate=1e-3 if model_name != cli.model else 5e-6,
                       output_dir=str(workdir / "out")),
 )

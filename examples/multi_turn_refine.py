@@ -31,9 +31,11 @@ def ratio_score(longer: str, shorter: str) -> float:
 
 def refine_reward(completions1, completions2, prompts):
     """Turn 1 (plain prompt): editor 2-3x the writer. Turn 2 (prompt holds the draft): the
-    writer's rewrite 2-3x its own draft."""
+    writer's rewrite 2-3x its own draft. One call scores one task item's joint answers, so
+    ``prompts`` holds that item's prompt (the writer's, this turn)."""
+    prompt = prompts[0]
     rewards = []
-    for prompt, writer, editor in zip(prompts, completions1, completions2):
+    for writer, editor in zip(completions1, completions2):
         if DRAFT in prompt:
             rewards.append(ratio_score(writer, prompt.split(DRAFT, 1)[1]))
         else:
@@ -64,14 +66,16 @@ def main() -> None:
         train_dataset=[{"prompt": p} for p in ("Describe a city in the clouds:", "Invent a new holiday:",
                                                "Write a bedtime story for a dragon:", "Design a playground on Mars:")],
         args=MAGRPOConfig(num_turns=2, discount=0.9, num_generations=4, max_new_tokens=32,
-                          num_train_epochs=args.epochs, agent_learning_rate=args.lr, logging_steps=4,
-                          output_dir=str(out)),
+                          num_train_epochs=args.epochs, agent_learning_rate=args.lr, logging_steps=80,  # a row per epoch
+                          temperature=1.0, top_p=1.0, early_termination_threshold=None, rollout_buffer_size=1,
+                          loss_type="grpo", advantage_normalization=False, max_grad_norm=1.0,
+                          external_prompt_passthrough=True, output_dir=str(out)),
     )
     trainer.train()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     print(f"{'epoch':>5} {'turn 1':>7} {'turn 2':>7} {'return':>7}")
     for r in rows:
-        print(f"{r['epoch']:>5.0f} {r['train/turn_1/reward_mean']:>7.3f} {r['train/turn_2/reward_mean']:>7.3f} "
+        print(f"{r['epoch']:>5.0f} {r['turn_1/reward_mean']:>7.3f} {r['turn_2/reward_mean']:>7.3f} "
               f"{r['train/return_mean']:>7.3f}")
 
 

@@ -111,7 +111,7 @@ print(f"W&B run: {identity}")
 print(f"\n{'env_step':>8} {'epoch':>6} {'reward':>8} {'len agent0':>10} {'len agent1':>10}")
 for r in rows:
     print(f"{r['env_step']:>8} {r['epoch']:>6.2f} {r['train/reward_mean']:>8.3f} "
-          f"{r['agent_0/completion_length']:>10.1f} {r['agent_1/completion_length']:>10.1f}")
+          f"{r['train/agent_0/completion_length']:>10.1f} {r['train/agent_1/completion_length']:>10.1f}")
 try:
     import matplotlib
 

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from helpers import SEED_PROMPTS, length_ratio_reward  # noqa: E402
+from helpers import SEED_PROMPTS, TEST_SETTINGS, length_ratio_reward  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +44,8 @@ def make_trainer(model_path, tokenizer, tmp_path):
     from comlrl import MAGRPOConfig, MAGRPOTrainer
 
     def factory(num_agents=2, reward_func=length_ratio_reward, dataset=None, trainer_kwargs=None, **overrides):
-        settings = dict(num_train_epochs=2, num_generations=4, max_new_tokens=12, logging_steps=1,
-                        agent_learning_rate=1e-3, output_dir=str(tmp_path / "out"))
+        settings = dict(TEST_SETTINGS, num_train_epochs=2, max_new_tokens=12, agent_learning_rate=1e-3,
+                        output_dir=str(tmp_path / "out"))
         settings.update(overrides)
         return MAGRPOTrainer(
             agents=[AutoModelForCausalLM.from_pretrained(model_path) for _ in range(num_agents)],

@@ -22,7 +22,7 @@ from comlrl import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 from comlrl.testing import tiny_model_dir  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import SEED_PROMPTS, length_ratio_reward  # noqa: E402
+from helpers import SEED_PROMPTS, TEST_SETTINGS, length_ratio_reward  # noqa: E402
 
 torch.set_num_threads(1)
 parser = argparse.ArgumentParser()
@@ -30,7 +30,7 @@ parser.add_argument("run_dir", type=Path)
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--resume", default=None)
 parser.add_argument("--train-batch-size", type=int, default=4)
-parser.add_argument("--accumulation", type=int, default=1)
+parser.add_argument("--micro-batches", type=int, default=1, help="forward/backward passes per optimizer step")
 parser.add_argument("--num-turns", type=int, default=1)
 parser.add_argument("--loss-type", default="grpo")
 parser.add_argument("--extra-prompt", action="store_true", help="5 prompts: the last micro-batch is uneven")
@@ -61,11 +61,13 @@ trainer = MAGRPOTrainer(
     train_dataset=[{"prompt": p} for p in prompts],
     eval_dataset=[{"prompt": p} for p in prompts] if opts.eval else None,
     external_transition=refine if multi_turn else None,
-    args=MAGRPOConfig(num_train_epochs=opts.epochs, num_generations=4, max_new_tokens=10, logging_steps=1,
-                      agent_learning_rate=1e-3, output_dir=str(opts.run_dir / "out"), device="cpu",
-                      train_batch_size=opts.train_batch_size, gradient_accumulation_steps=opts.accumulation,
-                      num_turns=opts.num_turns, termination_threshold=0.5 if multi_turn else None,
-                      loss_type=opts.loss_type, eval_interval=1 if opts.eval else 0),
+    args=MAGRPOConfig(**{**TEST_SETTINGS, "num_train_epochs": opts.epochs, "max_new_tokens": 10,
+                         "agent_learning_rate": 1e-3, "output_dir": str(opts.run_dir / "out"), "agent_devices": "cpu",
+                         "rollout_buffer_size": opts.train_batch_size,
+                         "micro_batch_size": opts.train_batch_size // opts.micro_batches if opts.micro_batches > 1
+                         else None, "num_turns": opts.num_turns,
+                         "early_termination_threshold": 0.5 if multi_turn else None, "loss_type": opts.loss_type,
+                         "eval_interval": 1 if opts.eval else 0}),
 )
 trainer.train(resume_from_checkpoint=opts.resume, checkpoint_dir=opts.run_dir / "ckpt")
 trainer.save_model(opts.run_dir / "saved")

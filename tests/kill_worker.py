@@ -15,7 +15,7 @@ from comlrl.testing import tiny_model_dir  # noqa: E402
 from comlrl.utils import find_latest_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from helpers import SEED_PROMPTS, length_ratio_reward  # noqa: E402
+from helpers import SEED_PROMPTS, TEST_SETTINGS, length_ratio_reward  # noqa: E402
 
 run_dir = Path(sys.argv[1])
 slow = float(os.environ.get("KILL_WORKER_SLOW_SAVE", "0"))
@@ -23,7 +23,7 @@ if slow:
     # Stretch every file write of a checkpoint save so that random kills often land inside one.
     import time
 
-    import comlrl.checkpoint as ckpt
+    import comlrl.checkpoint.files as ckpt
 
     def stretched(write):
         def wrapper(*args, **kwargs):
@@ -40,8 +40,8 @@ trainer = MAGRPOTrainer(
     tokenizer=AutoTokenizer.from_pretrained(path),
     reward_func=length_ratio_reward,
     train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
-    args=MAGRPOConfig(num_train_epochs=3, num_generations=4, max_new_tokens=10, logging_steps=1,
-                      agent_learning_rate=1e-3, output_dir=str(run_dir / "out")),
+    args=MAGRPOConfig(**{**TEST_SETTINGS, "num_train_epochs": 3, "max_new_tokens": 10, "agent_learning_rate": 1e-3,
+                         "output_dir": str(run_dir / "out")}),
 )
 latest = find_latest_checkpoint(run_dir / "ckpt")
 trainer.train(resume_from_checkpoint=latest, checkpoint_dir=run_dir / "ckpt", save_steps=1,

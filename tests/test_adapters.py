@@ -17,9 +17,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from comlrl.adapters import AdapterAgent, base_fingerprint, build_lora_agents  # noqa: E402
 from comlrl.exceptions import ConfigError  # noqa: E402
-from comlrl.fingerprint import model_fingerprint  # noqa: E402
-from comlrl.losses import sequence_log_probs  # noqa: E402
-from comlrl.rollout import SamplingParams, _cache_kwarg, derive_seed, left_pad, rollout  # noqa: E402
+from comlrl.checkpoint.fingerprint import model_fingerprint  # noqa: E402
+from comlrl.functional import sequence_log_probs  # noqa: E402
+from comlrl.rollout import SamplingParams, derive_seed, left_pad  # noqa: E402
+from comlrl.rollout.transformers_loop import _cache_kwarg, rollout  # noqa: E402
 from comlrl.testing import tiny_model_dir  # noqa: E402
 from helpers import SEED_PROMPTS  # noqa: E402
 
@@ -299,7 +300,7 @@ import json, sys
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 from comlrl.adapters import base_fingerprint, build_lora_agents
-from comlrl.fingerprint import model_fingerprint
+from comlrl.checkpoint.fingerprint import model_fingerprint
 base = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 record = {"base": base_fingerprint(base)}
 agent = build_lora_agents(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"), 2)[1]

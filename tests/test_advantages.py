@@ -9,7 +9,7 @@ import statistics
 import pytest
 import torch
 
-from comlrl.advantages import group_advantages, group_mean_std
+from comlrl.functional.advantages import group_advantages, group_mean_std
 
 MODES = ["mean", "raw", "max", "rloo"]
 
@@ -32,7 +32,7 @@ def ref_mean_std(returns: list[float], group_ids: list[int]) -> tuple[list[float
     for members in _groups(group_ids).values():
         vals = [returns[i] for i in members]
         m = sum(vals) / len(vals)
-        s = statistics.stdev(vals) if len(vals) > 1 else 0.0  # unbiased (n - 1)
+        s = statistics.pstdev(vals)  # population std (n), as CoMLRL
         for i in members:
             mean[i] = m
             std[i] = s
@@ -45,7 +45,7 @@ def ref_advantages(returns: list[float], group_ids: list[int], mode: str, normal
     for members in _groups(group_ids).values():
         vals = [returns[i] for i in members]
         m = sum(vals) / len(vals)
-        s = statistics.stdev(vals) if len(vals) > 1 else 0.0
+        s = statistics.pstdev(vals)
         for i in members:
             r = returns[i]
             if mode == "mean":
@@ -59,8 +59,8 @@ def ref_advantages(returns: list[float], group_ids: list[int], mode: str, normal
                 a = r - sum(others) / len(others) if others else 0.0
             else:
                 raise AssertionError(mode)
-            if normalize:
-                a = a / (s + eps)
+            if normalize and s > eps:  # a group without spread is left unscaled
+                a = a / s
             out[i] = a
     return out
 
@@ -134,7 +134,7 @@ def test_group_advantages_sparse_group_ids(mode, normalize):
     r, _ = _tensors(returns, group_ids)
     got = group_advantages(r, torch.tensor(sparse_ids), mode=mode, normalize=normalize)
     assert torch.isfinite(got).all()
-    want = torch.tensor(ref_advantages(r.double().tolist(), sparse_ids, mode, normalize, 1e-4), dtype=torch.float64)
+    want = torch.tensor(ref_advantages(r.double().tolist(), sparse_ids, mode, normalize, 1e-6), dtype=torch.float64)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -189,16 +189,36 @@ def test_equal_rewards_everywhere_give_zero_not_nan():
             assert torch.equal(adv, torch.zeros(6)), (mode, normalize)
 
 
-def test_normalize_divides_by_std_plus_eps():
+def test_normalize_divides_by_population_std():
     r = torch.tensor([0.0, 1.0, 2.0, 5.0, 5.0, 9.0])
     g = torch.tensor([0, 0, 0, 1, 1, 1])
-    for eps in (1e-4, 0.5):
-        adv = group_advantages(r, g, mode="mean", normalize=True, eps=eps)
-        s0 = statistics.stdev([0.0, 1.0, 2.0])
-        s1 = statistics.stdev([5.0, 5.0, 9.0])
-        want = [(0 - 1) / (s0 + eps), 0.0, (2 - 1) / (s0 + eps),
-                (5 - 19 / 3) / (s1 + eps), (5 - 19 / 3) / (s1 + eps), (9 - 19 / 3) / (s1 + eps)]
-        torch.testing.assert_close(adv.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+    adv = group_advantages(r, g, mode="mean", normalize=True)
+    s0 = statistics.pstdev([0.0, 1.0, 2.0])
+    s1 = statistics.pstdev([5.0, 5.0, 9.0])
+    want = [(0 - 1) / s0, 0.0, (2 - 1) / s0, (5 - 19 / 3) / s1, (5 - 19 / 3) / s1, (9 - 19 / 3) / s1]
+    torch.testing.assert_close(adv.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=1e-6)
+
+
+def test_normalize_leaves_groups_without_spread_unscaled():
+    """A raw (no-baseline) group of equal returns keeps its returns: dividing by a zero std would
+    blow them up, and re-centring would erase the baseline choice (CoMLRL 1.4.3 does the latter)."""
+    r = torch.tensor([2.0, 2.0, 1.0, 3.0])
+    g = torch.tensor([0, 0, 1, 1])
+    adv = group_advantages(r, g, mode="raw", normalize=True)
+    torch.testing.assert_close(adv, torch.tensor([2.0, 2.0, 1.0, 3.0]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_normalized_baselines_stay_distinct(mode):
+    """Unlike CoMLRL 1.4.3 (which re-centres after normalising, making every mode the same), the
+    baseline still matters with normalisation on: only MAGRPO's advantages have zero mean."""
+    r = torch.tensor([1.0, 0.0, 3.0, 2.0])
+    g = torch.zeros(4, dtype=torch.int64)
+    adv = group_advantages(r, g, mode=mode, normalize=True)
+    std = statistics.pstdev([1.0, 0.0, 3.0, 2.0])
+    baseline = {"mean": 1.5, "raw": 0.0, "max": 3.0}.get(mode)
+    want = (r - baseline) / std if baseline is not None else (r - (r.sum() - r) / 3) / std
+    torch.testing.assert_close(adv, want.float())
 
 
 def test_group_advantages_keeps_device_and_accepts_float64():

@@ -1,3 +1,7 @@
+"""Checkpoints: layout, bit-exact resume (also mid-epoch and twice), what may change, refusals,
+tampering, retention and the directory policy."""
+
+import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -6,34 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from comlrl import CheckpointDirError, CheckpointError, MAGRPOConfig, MAGRPOTrainer, ResumeMismatchError
+from comlrl import CheckpointDirError, CheckpointError, ConfigError, MAGRPOConfig, MAGRPOTrainer, ResumeMismatchError
 from comlrl.testing import build_tiny_tokenizer, tiny_model_dir
 from comlrl.utils import find_latest_checkpoint, read_checkpoint_metadata
 
-from helpers import SEED_PROMPTS, length_ratio_reward
-
-
-def state_of(trainer):
-    """Every parameter and optimizer tensor of every agent, by name."""
-    out = {}
-    for i, (m, opt) in enumerate(zip(trainer.agents, trainer.optimizers)):
-        for n, p in m.named_parameters():
-            out[f"{i}.param.{n}"] = p.detach().clone()
-        for idx, st in opt.state_dict()["state"].items():
-            for k, v in st.items():
-                out[f"{i}.opt.{idx}.{k}"] = v.clone() if torch.is_tensor(v) else v
-    return out
-
-
-def assert_bit_exact(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
-
-
-def rows(directory):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("timing/") and k != "run_id"}
-            for line in Path(directory, "metrics.jsonl").read_text().splitlines()]
+from helpers import SEED_PROMPTS, TEST_SETTINGS, assert_bit_exact, length_ratio_reward, rows, state_of
 
 
 @pytest.fixture
@@ -47,16 +28,19 @@ def test_checkpoints_per_epoch_and_metadata(uninterrupted):
     trainer, directory = uninterrupted
     assert sorted(p.name for p in directory.glob("checkpoint-*")) == [f"checkpoint-{i}" for i in range(1, 5)]
     meta = read_checkpoint_metadata(directory / "checkpoint-2")
-    assert meta["checkpoint"] == 2 and meta["epoch"] == 2 and meta["env_step"] == 32 and meta["global_step"] == 8
-    assert meta["wandb"] is None and meta["step_in_epoch"] == 0
+    assert meta["checkpoint"] == meta["sequence"] == 2 and meta["epoch"] == 2
+    assert meta["env_step"] == 32 and meta["global_step"] == 8 and meta["items_in_epoch"] == 0
+    assert meta["wandb"] is None and meta["trainer_class"] == "MAGRPOTrainer" and len(meta["run_id"]) == 32
     assert find_latest_checkpoint(directory) == directory / "checkpoint-4"
     state = json.loads((directory / "checkpoint-2" / "trainer_state.json").read_text())
     assert set(state["fingerprints"]) >= {"config", "models", "tokenizers", "dataset", "reward_func"}
     assert set(state["rng"]) >= {"python", "numpy"}
     files = {p.relative_to(directory / "checkpoint-2").as_posix() for p in (directory / "checkpoint-2").rglob("*")
              if p.is_file()}
-    assert files == {"trainer_state.json", "rng.safetensors", "agent-0/model.safetensors",
+    assert files == {"manifest.json", "trainer_state.json", "rng.safetensors", "agent-0/model.safetensors",
                      "agent-0/optimizer.safetensors", "agent-1/model.safetensors", "agent-1/optimizer.safetensors"}
+    manifest = json.loads((directory / "checkpoint-2" / "manifest.json").read_text())
+    assert set(manifest["files"]) == files - {"manifest.json"}  # every byte resume reads is hashed
 
 
 def test_resume_equals_uninterrupted_bit_exact(uninterrupted, make_trainer, tmp_path):
@@ -84,11 +68,11 @@ def test_resume_twice_in_a_row(uninterrupted, make_trainer, tmp_path):
 def test_mid_epoch_resume_replaces_the_rows_written_after_the_checkpoint(uninterrupted, make_trainer, tmp_path):
     full, full_dir = uninterrupted
     d = tmp_path / "mid"
-    # An "interrupted" run: checkpoints every optimizer step; pretend it died after step 8.
+    # An "interrupted" run: a checkpoint after every optimizer step; pretend it died after step 6.
     make_trainer(num_train_epochs=4).train(checkpoint_dir=d, save_steps=1)
     assert len(rows(d)) == 16
     meta = read_checkpoint_metadata(d / "checkpoint-6")
-    assert (meta["epoch"], meta["step_in_epoch"], meta["global_step"]) == (1, 2, 6)
+    assert (meta["epoch"], meta["items_in_epoch"], meta["global_step"]) == (1, 2, 6)
     resumed = make_trainer(num_train_epochs=4)
     resumed.train(resume_from_checkpoint=d / "checkpoint-6", checkpoint_dir=d, save_steps=1)
     assert_bit_exact(state_of(full), state_of(resumed))
@@ -98,7 +82,8 @@ def test_mid_epoch_resume_replaces_the_rows_written_after_the_checkpoint(uninter
 def test_allowed_changes_on_resume(make_trainer, tmp_path):
     d = tmp_path / "allowed"
     make_trainer(num_train_epochs=1).train(checkpoint_dir=d)
-    resumed = make_trainer(num_train_epochs=2, logging_steps=2, output_dir=str(tmp_path / "elsewhere"), device="cpu")
+    resumed = make_trainer(num_train_epochs=2, logging_steps=2, output_dir=str(tmp_path / "elsewhere"),
+                           agent_devices="cpu", eval_interval=3, eval_num_samples=2)
     resumed.train(resume_from_checkpoint=d / "checkpoint-1", checkpoint_dir=d, checkpoint_interval=1,
                   checkpoint_total_limit=5)
     assert resumed.state.epoch == 2
@@ -142,8 +127,8 @@ def test_forbidden_changes_are_refused_by_name(make_trainer, tmp_path, change, n
 def test_changed_model_and_tokenizer_are_refused(make_trainer, model_path, tokenizer, tmp_path):
     d = tmp_path / "models"
     make_trainer(num_train_epochs=1).train(checkpoint_dir=d)
-    args = MAGRPOConfig(num_train_epochs=2, max_new_tokens=12, logging_steps=1, agent_learning_rate=1e-3,
-                        output_dir=str(tmp_path / "out"))
+    args = MAGRPOConfig(**dict(TEST_SETTINGS, num_train_epochs=2, max_new_tokens=12, agent_learning_rate=1e-3,
+                               output_dir=str(tmp_path / "out")))
     dataset = [{"prompt": p} for p in SEED_PROMPTS]
     other_model = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path), _other_model()],
                                 tokenizer=[tokenizer, tokenizer], reward_func=length_ratio_reward,
@@ -181,15 +166,15 @@ def test_truncated_weights_are_refused(make_trainer, saved):
     assert find_latest_checkpoint(saved.parent) is None
 
 
-def test_missing_state_or_file_is_refused(make_trainer, saved):
-    (saved / "agent-0" / "optimizer.safetensors").unlink()
-    with pytest.raises(CheckpointError, match="agent-0/optimizer.safetensors is missing"):
-        _resume(make_trainer, saved)
-    (saved / "trainer_state.json").write_text('{"format_version": 1, "files": ')
-    with pytest.raises(CheckpointError, match="corrupted"):
-        _resume(make_trainer, saved)
-    (saved / "trainer_state.json").unlink()
-    with pytest.raises(CheckpointError, match="trainer_state.json is missing"):
+@pytest.mark.parametrize("damage, words", [
+    (lambda c: (c / "agent-0" / "optimizer.safetensors").unlink(), "agent-0/optimizer.safetensors is missing"),
+    (lambda c: (c / "trainer_state.json").write_text('{"counters": '),
+     "trainer_state.json has 13 bytes"),
+    (lambda c: (c / "manifest.json").unlink(), "manifest.json is missing"),
+])
+def test_missing_state_or_file_is_refused(make_trainer, saved, damage, words):
+    damage(saved)
+    with pytest.raises(CheckpointError, match=words):
         _resume(make_trainer, saved)
 
 
@@ -201,24 +186,28 @@ class _Exploit:
         return (Path.touch, (Path(self.marker),))
 
 
+def _forge_manifest(checkpoint: Path, change) -> None:
+    """Rewrite a checkpoint's manifest with its own hash recomputed, as a deliberate forger would."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    change(body)
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    (checkpoint / "manifest.json").write_text(json.dumps({**body, "sha256": digest}))
+
+
 def test_tampered_checkpoint_never_runs_code(make_trainer, saved, tmp_path):
     marker = tmp_path / "pwned"
     payload = pickle.dumps(_Exploit(str(marker)))
-    weights = saved / "agent-0" / "model.safetensors"
-    weights.write_bytes(payload)
+    (saved / "agent-0" / "model.safetensors").write_bytes(payload)
     with pytest.raises(CheckpointError, match="sha256|bytes"):
         _resume(make_trainer, saved)
     # Even with the manifest forged to match, the pickle is parsed as safetensors, never unpickled.
-    state = json.loads((saved / "trainer_state.json").read_text())
-    import hashlib
-
-    state["files"]["agent-0/model.safetensors"] = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
-    (saved / "trainer_state.json").write_text(json.dumps(state))
+    entry = {"bytes": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+    _forge_manifest(saved, lambda body: body["files"].update({"agent-0/model.safetensors": entry}))
     with pytest.raises(CheckpointError, match="could not be loaded"):
         _resume(make_trainer, saved)
-    state["files"]["../../escape"] = {"bytes": 1, "sha256": "0"}
-    (saved / "trainer_state.json").write_text(json.dumps(state))
-    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+    _forge_manifest(saved, lambda body: body["files"].update({"../../escape": {"bytes": 1, "sha256": "0"}}))
+    with pytest.raises(CheckpointError, match="unexpected|outside the checkpoint"):
         _resume(make_trainer, saved)
     assert not marker.exists()
 
@@ -233,10 +222,10 @@ def test_retention_keeps_the_newest(make_trainer, tmp_path):
 def test_fresh_run_refuses_a_directory_with_another_runs_checkpoints(make_trainer, tmp_path):
     d = tmp_path / "taken"
     make_trainer(num_train_epochs=1).train(checkpoint_dir=d)
-    snapshot = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    snapshot = {p: p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != ".comlrl.lock"}
     with pytest.raises(CheckpointDirError, match="another run"):
         make_trainer(num_train_epochs=2).train(checkpoint_dir=d)
-    assert snapshot == {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    assert snapshot == {p: p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != ".comlrl.lock"}
 
 
 def test_leftover_temporary_directories_are_never_checkpoints(make_trainer, tmp_path):
@@ -248,12 +237,12 @@ def test_leftover_temporary_directories_are_never_checkpoints(make_trainer, tmp_
 
 
 def test_bad_train_arguments(make_trainer, tmp_path):
-    from comlrl import ConfigError
-
     with pytest.raises(ConfigError, match="checkpoint_interval"):
         make_trainer().train(checkpoint_dir=tmp_path, checkpoint_interval=0)
     with pytest.raises(ConfigError, match="need a checkpoint_dir"):
         make_trainer().train(save_steps=3)
+    with pytest.raises(ConfigError, match="generation keyword"):
+        make_trainer().train(do_sample=False)
 
 
 def test_resuming_an_older_checkpoint_removes_the_newer_ones_of_the_run(make_trainer, tmp_path):
@@ -274,7 +263,7 @@ def test_function_fingerprints_are_stable_across_processes(tmp_path):
     script = tmp_path / "fp.py"
     script.write_text(
         "import functools\n"
-        "from comlrl.fingerprint import callable_fingerprint\n"
+        "from comlrl.checkpoint.fingerprint import callable_fingerprint\n"
         "def reward(a, b, scale=1):\n    return [scale] * len(a)\n"
         "class Reward:\n    def __init__(self):\n        self.scale = 2\n"
         "    def __call__(self, a, b):\n        return [self.scale] * len(a)\n"
@@ -284,34 +273,15 @@ def test_function_fingerprints_are_stable_across_processes(tmp_path):
     assert len(outs) == 1 and "partial(" in outs.pop()
 
 
-def test_settings_added_after_a_checkpoint_count_as_their_defaults(make_trainer, tmp_path):
-    """A checkpoint from before a config field existed resumes when the field is at its default."""
-    make_trainer(num_train_epochs=1).train(checkpoint_dir=tmp_path / "ckpt")
-    state_file = tmp_path / "ckpt" / "checkpoint-1" / "trainer_state.json"
-    state = json.loads(state_file.read_text())
-    for key in ("reference_kl_coef", "rollout_backend", "mixed_precision"):
-        del state["fingerprints"]["config"][key]
-    state_file.write_text(json.dumps(state))
-    # Before rollout_backend existed, rollouts ran the transformers loop: "auto" would not continue it.
-    with pytest.raises(ResumeMismatchError, match="rollout_backend: saved 'hf', now 'auto'"):
-        make_trainer(num_train_epochs=2).train(resume_from_checkpoint=tmp_path / "ckpt" / "checkpoint-1",
-                                               checkpoint_dir=tmp_path / "ckpt")
-    make_trainer(num_train_epochs=2, rollout_backend="hf").train(
-        resume_from_checkpoint=tmp_path / "ckpt" / "checkpoint-1", checkpoint_dir=tmp_path / "ckpt")
-    with pytest.raises(ResumeMismatchError, match="reference_kl_coef"):
-        make_trainer(num_train_epochs=3, reference_kl_coef=0.1, rollout_backend="hf").train(
-            resume_from_checkpoint=tmp_path / "ckpt" / "checkpoint-2", checkpoint_dir=tmp_path / "ckpt")
-
-
 def test_a_snapshot_reuses_the_previous_buffers_and_holds_a_copy(make_trainer):
     """The next save writes into the last snapshot's buffers (no fresh allocation), and a snapshot
     is a copy: training after it does not change it."""
-    from comlrl import checkpoint as ckpt
+    from comlrl.checkpoint import files
 
     trainer = make_trainer(num_train_epochs=1)
     trainer.train()
-    args = (trainer.agents, trainer.optimizers, trainer.schedulers, {"run_id": "x"})
-    first = ckpt.snapshot_checkpoint(1, *args)
+    slots = trainer._slots()
+    first = files.snapshot(1, {"run_id": "x"}, slots.modules, slots.optimizers, {})
     weights = first.files["agent-0/model.safetensors"][0]
     name = next(iter(weights))
     pointer, before = weights[name].data_ptr(), weights[name].clone()
@@ -319,6 +289,25 @@ def test_a_snapshot_reuses_the_previous_buffers_and_holds_a_copy(make_trainer):
         for p in trainer.agents[0].parameters():
             p.add_(1.0)
     assert torch.equal(weights[name], before)
-    second = ckpt.snapshot_checkpoint(2, *args, reuse=first)
+    second = files.snapshot(2, {"run_id": "x"}, slots.modules, slots.optimizers, {}, reuse=first)
     reused = second.files["agent-0/model.safetensors"][0][name]
     assert reused.data_ptr() == pointer and torch.equal(reused, before + 1.0)
+
+
+def test_save_and_load_checkpoint_methods(make_trainer, tmp_path):
+    """CoMLRL's save_checkpoint(dir) / load_checkpoint(dir): a manual save between train() calls
+    restores into a fresh trainer, whose next train() continues exactly."""
+    full = make_trainer(num_train_epochs=2)
+    full.train()
+    first = make_trainer(num_train_epochs=1)
+    first.train()
+    path = first.save_checkpoint(tmp_path / "manual")
+    assert Path(path).name == "manual" and read_checkpoint_metadata(path)["epoch"] == 1
+    second = make_trainer(num_train_epochs=2)
+    assert second.load_checkpoint(path)["epoch"] == 1
+    second.train()
+    assert_bit_exact(state_of(full), state_of(second))
+    with pytest.raises(CheckpointError, match="not a checkpoint"):
+        (tmp_path / "occupied").mkdir()
+        (tmp_path / "occupied" / "notes.txt").write_text("mine")
+        first.save_checkpoint(tmp_path / "occupied")

@@ -1,11 +1,11 @@
 """Data parallel under torchrun (2 gloo processes on CPU) against one process.
 
 * 2 processes == 1 process with the same global batch (within float tolerance; same samples and
-  rewards), also for multi-turn with early termination, gradient accumulation, token_mean, an
-  uneven last micro-batch that leaves a rank idle, and evaluation; and for LoRA agents with dr_grpo;
+  rewards), also for multi-turn with early termination, micro-batches, token_mean, an uneven last
+  optimizer step that leaves a rank idle, and evaluation; and for LoRA agents with dr_grpo;
 * a 2-process run resumed from its checkpoint == the uninterrupted 2-process run, bit for bit;
 * a 2-process checkpoint resumes on 1 process (allowed, said, within tolerance);
-* more processes than prompts per micro-batch is refused at start.
+* more processes than prompts per optimizer step is refused at start.
 """
 
 import json
@@ -81,7 +81,7 @@ def test_two_processes_match_one(runs):
     # Written once: one metrics row per step, checkpoints and save_model output from rank 0.
     assert [r["global_step"] for r in rows(runs / "two")] == [1, 2]
     assert sorted(p.name for p in (runs / "two" / "ckpt").iterdir()) == \
-        ["checkpoint-1", "checkpoint-2", "metrics.jsonl"]
+        [".comlrl.lock", "checkpoint-1", "checkpoint-2", "metrics.jsonl"]
     assert sorted(p.name for p in (runs / "two" / "saved").iterdir()) == ["agent_0", "agent_1"]
     state = json.loads((runs / "two" / "ckpt" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and len(state["rng_other_ranks"]) == 1
@@ -110,7 +110,7 @@ def test_resume_on_another_process_count(runs):
 
 
 def test_multi_turn_accumulation_uneven_batches_match(tmp_path):
-    args = ("--num-turns", "2", "--train-batch-size", "2", "--accumulation", "2", "--loss-type", "token_mean",
+    args = ("--num-turns", "2", "--train-batch-size", "4", "--micro-batches", "2", "--loss-type", "token_mean",
             "--extra-prompt", "--eval")
     run(tmp_path / "one", *args)
     run(tmp_path / "two", *args, procs=2)
@@ -148,5 +148,5 @@ def test_data_parallel_example_with_lora_and_kl(tmp_path):
         assert result.returncode == 0, result.stderr[-4000:]
     assert "2 process(es): reward" in result.stdout and "after 3 steps" in result.stdout
     logged = [json.loads(line) for line in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["global_step"] for r in logged] == [1, 2, 3] and all("agent_1/kl" in r for r in logged)
+    assert [r["global_step"] for r in logged] == [1, 2, 3] and all("agent_1/reference_kl" in r for r in logged)
     assert (tmp_path / "final" / "agent_1" / "adapter_config.json").is_file()

@@ -4,9 +4,7 @@ import random
 import pytest
 import torch
 
-from comlrl import ConfigError
-
-from helpers import length_ratio_reward
+from helpers import length_ratio_reward, rows
 
 EVAL = [{"prompt": p} for p in ("Tell a joke about rain:", "Name three colours:", "Describe a quiet forest:")]
 
@@ -32,12 +30,33 @@ def test_evaluate_returns_metrics_and_changes_nothing(make_trainer):
     state = torch.get_rng_state(), random.getstate()
     first, second = trainer.evaluate(), trainer.evaluate()
     assert first == second  # the same eval seeds every time
-    assert set(first) == {"eval/reward_mean", "eval/reward_std", "eval/turn_1/reward_mean", "eval/return_mean",
-                          "eval/agent_0/completion_length", "eval/agent_1/completion_length"}
+    assert set(first) == {"eval/reward_mean", "eval/reward_std", "eval/turn_1/reward_mean",
+                          "eval/turn_1/expected_return", "eval/return_mean", "eval/agent_0/completion_length",
+                          "eval/agent_1/completion_length"}
     assert 0 < first["eval/reward_mean"] <= 1
     assert all(torch.equal(a, b) for a, b in zip(before, weights(trainer)))
     assert torch.equal(state[0], torch.get_rng_state()) and state[1] == random.getstate()
-    assert trainer.evaluate(num_samples=1) != first
+    assert trainer.evaluate(num_eval_samples=1) != first
+
+
+def test_evaluate_samples_one_completion_per_agent_and_item_and_calls_the_task_metric_callbacks(make_trainer):
+    calls = {}
+
+    def eval_logger(agent_completions_turns, batch_items, prompts):
+        calls["logger"] = (agent_completions_turns, batch_items, prompts)
+        return [{"turn_1/length": float(len(turns[0]))} for turns in agent_completions_turns[1]]
+
+    def eval_aggregator(metrics, num_turns):
+        calls["aggregator"] = num_turns
+        return {"turn_1/mean_length": sum(m["turn_1/length"] for m in metrics) / len(metrics)}
+
+    trainer = make_trainer(trainer_kwargs={"eval_dataset": EVAL, "eval_logger": eval_logger,
+                                           "eval_aggregator": eval_aggregator})
+    result = trainer.evaluate(num_eval_samples=2)
+    completions, items, prompts = calls["logger"]
+    assert len(completions) == 2 and all(len(agent) == 2 and len(agent[0]) == 1 for agent in completions)
+    assert items == EVAL[:2] and prompts == [row["prompt"] for row in EVAL[:2]] and calls["aggregator"] == 1
+    assert result["eval/turn_1/mean_length"] == sum(len(c[0]) for c in completions[1]) / 2
 
 
 def test_training_with_evaluation_trains_the_same_weights(make_trainer, tmp_path):
@@ -48,19 +67,20 @@ def test_training_with_evaluation_trains_the_same_weights(make_trainer, tmp_path
     evaluated.train()
     assert all(torch.equal(a, b) for a, b in zip(weights(plain), weights(evaluated)))
     assert train_rows(tmp_path / "plain" / "metrics.jsonl") == train_rows(tmp_path / "eval" / "metrics.jsonl")
-    rows = [json.loads(line) for line in open(tmp_path / "eval" / "metrics.jsonl")]
-    eval_steps = [r["global_step"] for r in rows if "eval/reward_mean" in r]
-    assert eval_steps == [3, 6] and len(rows) == 8  # merged into the train rows of those steps
+    logged = [json.loads(line) for line in open(tmp_path / "eval" / "metrics.jsonl")]
+    # CoMLRL's cadence: before training prompts 0 and 3 of each epoch, logged at the env_step of that moment.
+    assert [r["env_step"] for r in logged if "eval/reward_mean" in r] == [0, 12, 16, 28]
 
 
-def test_evaluation_only_rows_when_not_a_logging_step(make_trainer, tmp_path):
-    trainer = make_trainer(num_train_epochs=1, logging_steps=4, eval_interval=1, output_dir=str(tmp_path / "o"),
+def test_evaluation_rows_and_the_logging_cadence(make_trainer, tmp_path):
+    """Train rows once env_step moved logging_steps past the last one (the first always, and at
+    the end of an epoch); every evaluation gets its own row, before the prompt it precedes."""
+    trainer = make_trainer(num_train_epochs=1, logging_steps=8, eval_interval=1, output_dir=str(tmp_path / "o"),
                            trainer_kwargs={"eval_dataset": EVAL})
     trainer.train()
-    rows = [json.loads(line) for line in open(tmp_path / "o" / "metrics.jsonl")]
-    assert [r["env_step"] for r in rows] == [4, 8, 12, 16]
-    assert ["train/reward_mean" in r for r in rows] == [False, False, False, True]
-    assert all("eval/reward_mean" in r for r in rows)
+    logged = [json.loads(line) for line in open(tmp_path / "o" / "metrics.jsonl")]
+    assert [(r["env_step"], "train/reward_mean" in r) for r in logged] == [
+        (0, False), (4, True), (4, False), (8, False), (12, True), (12, False), (16, True)]
 
 
 def test_resume_with_evaluation_is_exact(make_trainer, tmp_path):
@@ -73,13 +93,12 @@ def test_resume_with_evaluation_is_exact(make_trainer, tmp_path):
                            trainer_kwargs={"eval_dataset": EVAL})
     resumed.train(resume_from_checkpoint=tmp_path / "part" / "checkpoint-1", checkpoint_dir=tmp_path / "part")
     assert all(torch.equal(a, b) for a, b in zip(weights(full), weights(resumed)))
+    assert rows(tmp_path / "full") == rows(tmp_path / "part")  # the eval row at the boundary once
 
 
-def test_evaluation_needs_a_dataset(make_trainer):
-    with pytest.raises(ConfigError, match="no eval_dataset"):
-        make_trainer(eval_interval=5)
-    with pytest.raises(ConfigError, match="needs an eval_dataset"):
-        make_trainer().evaluate()
+def test_evaluation_without_a_dataset(make_trainer, caplog):
+    make_trainer(eval_interval=5).train()  # CoMLRL's default eval_interval with no eval data: nothing to do
+    assert make_trainer().evaluate() == {} and "without an eval_dataset" in caplog.text
     from comlrl import DataError
 
     with pytest.raises(DataError, match="eval_dataset row 0 has no 'prompt'"):

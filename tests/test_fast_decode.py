@@ -6,8 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from comlrl import fast_decode
-from comlrl.rollout import SamplingParams, _cache_kwarg, _output_cache, generate, left_pad, row_uniforms
+from comlrl.rollout import lean as fast_decode
+from comlrl.rollout.transformers_loop import _cache_kwarg, _output_cache, generate
+from comlrl.rollout import SamplingParams, left_pad, row_uniforms
 from comlrl.testing import tiny_model_dir
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15], [16], [17, 18, 19, 20, 21]]
@@ -132,7 +133,7 @@ AGENT_SEEDS = [[[1, 2, 3, 4], [5, 6, 7, 8]], [[9, 10, 11, 12], [13, 14, 15, 16]]
 def test_stacked_agents_equal_each_agent_alone(top_p, eos):
     """Different weights, prompt lengths and EOS sets per agent: the same completions, with each
     agent's own length, as one rollout per agent."""
-    from comlrl.rollout import rollout, rollout_agents
+    from comlrl.rollout.transformers_loop import rollout, rollout_agents
 
     models, tok = two_agents()
     assert fast_decode.stackable(models)
@@ -174,7 +175,7 @@ def test_what_cannot_stack_decodes_agent_by_agent():
 
 
 def test_a_disagreeing_agent_sends_the_turn_back_to_one_rollout_per_agent(monkeypatch, caplog):
-    from comlrl.rollout import rollout, rollout_agents
+    from comlrl.rollout.transformers_loop import rollout, rollout_agents
 
     models, tok = two_agents()
     params = SamplingParams(24, 1.0, 1.0, 50)
@@ -196,7 +197,7 @@ def test_a_disagreeing_agent_sends_the_turn_back_to_one_rollout_per_agent(monkey
 
 def test_concurrent_agents_sample_what_they_sample_one_after_another():
     """The threaded path (agents on separate GPUs) forced on CPU: same completions."""
-    from comlrl.rollout import rollout_agents
+    from comlrl.rollout.transformers_loop import rollout_agents
 
     models, tok = two_agents()
     params = SamplingParams(24, 1.0, 1.0, 50)
@@ -210,7 +211,7 @@ def test_concurrent_agents_sample_what_they_sample_one_after_another():
 def test_concurrent_agents_keep_the_callers_autocast():
     """Autocast is per thread: the workers must run under the caller's, or bf16 runs would sample
     in float32 on multi-GPU setups."""
-    from comlrl.rollout import rollout_agents
+    from comlrl.rollout.transformers_loop import rollout_agents
 
     models, tok = two_agents()
     params = SamplingParams(24, 1.0, 1.0, 50)
@@ -247,7 +248,7 @@ def test_models_the_lean_step_cannot_read_directly_are_refused():
 
 
 def test_a_failing_stacked_batch_is_sampled_agent_by_agent(monkeypatch, caplog):
-    from comlrl.rollout import rollout, rollout_agents
+    from comlrl.rollout.transformers_loop import rollout, rollout_agents
 
     models, tok = two_agents()
     params = SamplingParams(16, 1.0, 1.0, 50)

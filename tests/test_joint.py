@@ -3,8 +3,10 @@ import itertools
 import pytest
 import torch
 
+from comlrl.engine.collect import train_seeds
+
 from comlrl import ConfigError
-from comlrl.joint import cross_combinations, cross_returns, joint_actions_per_group
+from comlrl.functional.joint import cross_combinations, cross_returns, joint_actions_per_group
 
 
 def slow_cross_returns(rewards, k, n):
@@ -40,15 +42,17 @@ def test_cross_mode_scores_every_combination(make_trainer):
 
     trainer = make_trainer(num_train_epochs=1, joint_mode="cross", num_generations=3, reward_func=reward,
                            train_batch_size=2)
-    batch = trainer._make_batch([0, 1])
-    (turn,) = trainer._episode(batch, trainer._train_seed(0))
+    table = trainer._table("train")
+    (turn,) = trainer._collector(table).play(trainer._batch(table, [0, 1]), num_generations=3, num_turns=1,
+                                             seed_of=train_seeds(trainer.args.seed, 0), threshold=None)
     rollouts, rewards = turn.rollouts, turn.rewards
     assert rewards.shape == (2 * 9,)
-    first, second = calls[-1]
+    assert len(calls) == 2  # one reward call per task item, with its 9 joint actions
     for g in range(2):
+        first, second = calls[g]
         for j, (i0, i1) in enumerate(itertools.product(range(3), repeat=2)):
-            assert first[g * 9 + j] == rollouts[0].texts[g * 3 + i0]
-            assert second[g * 9 + j] == rollouts[1].texts[g * 3 + i1]
+            assert first[j] == rollouts[0].texts[g * 3 + i0]
+            assert second[j] == rollouts[1].texts[g * 3 + i1]
     returns = trainer._agent_returns(rewards, 2)
     torch.testing.assert_close(torch.stack(returns), slow_cross_returns(rewards.view(2, 9), 3, 2))
     trainer.train()
@@ -56,6 +60,6 @@ def test_cross_mode_scores_every_combination(make_trainer):
 
 
 def test_cross_mode_growth_is_guarded_up_front(make_trainer):
-    with pytest.raises(ConfigError, match=r"scores 64 joint actions per prompt \(64 per node.*above max_joint_actions=50"):
+    with pytest.raises(ConfigError, match=r"score up to 64 joint actions per prompt \(64 per node.*above max_joint_actions=50"):
         make_trainer(num_agents=3, reward_func=lambda a, b, c: [0.0] * len(a), joint_mode="cross",
                      num_generations=4, max_joint_actions=50)

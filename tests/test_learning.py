@@ -23,14 +23,14 @@ def test_lora_agents_learn_the_seed_task(model_path, tokenizer, tmp_path):
     from peft import LoraConfig
 
     from comlrl import MAGRPOConfig, MAGRPOTrainer
-    from helpers import SEED_PROMPTS, length_ratio_reward
+    from helpers import SEED_PROMPTS, TEST_SETTINGS, length_ratio_reward
 
     trainer = MAGRPOTrainer(
         agent_model=model_path, num_agents=2, tokenizer=tokenizer, reward_func=length_ratio_reward,
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"),
         train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
-        args=MAGRPOConfig(num_train_epochs=40, num_generations=4, max_new_tokens=64, logging_steps=1,
-                          agent_learning_rate=5e-3, output_dir=str(tmp_path / "learn")),
+        args=MAGRPOConfig(**{**TEST_SETTINGS, "num_train_epochs": 40, "max_new_tokens": 64,
+                             "agent_learning_rate": 5e-3, "output_dir": str(tmp_path / "learn")}),
     )
     trainer.train()
     rewards = [json.loads(line)["train/reward_mean"] for line in open(tmp_path / "learn" / "metrics.jsonl")]

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from comlrl import ConfigError
-from comlrl.logging import JsonlSink, wandb_has_credentials
+from comlrl.tracking import JsonlSink, WandbSink, check_identity, wandb_init_kwargs
 from comlrl.utils import read_checkpoint_metadata
 
 
@@ -20,8 +20,19 @@ def test_jsonl_fresh_run_replaces_and_resume_keeps_rows_up_to_the_checkpoint(tmp
     resumed.close()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
         {"env_step": 4, "x": 1.0}, {"env_step": 8, "x": 2.0}, {"env_step": 12, "x": 30.0}]
-    JsonlSink(path).close()
+    JsonlSink(path).close()  # a fresh run keeps the earlier run's file beside the new one
     assert path.read_text() == ""
+    kept = sorted(tmp_path.glob("metrics.*.jsonl"))
+    assert len(kept) == 1 and len(kept[0].read_text().splitlines()) == 3
+
+
+def test_jsonl_is_strict_json(tmp_path):
+    sink = JsonlSink(tmp_path / "m.jsonl")
+    sink.log({"env_step": 1, "a": float("nan"), "b": float("inf"), "c": [1.0, float("-inf")]})
+    sink.close()
+    line = (tmp_path / "m.jsonl").read_text().strip()
+    assert "NaN" not in line and "Infinity" not in line
+    assert json.loads(line) == {"env_step": 1, "a": None, "b": None, "c": [1.0, None]}
 
 
 def test_jsonl_resume_keeps_only_its_own_runs_rows(tmp_path):
@@ -34,15 +45,49 @@ def test_jsonl_resume_keeps_only_its_own_runs_rows(tmp_path):
     assert rows == [{"env_step": 4, "who": "mine", "run_id": "mine"}]
 
 
-def test_credentials_detection(monkeypatch, tmp_path):
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_IDENTITY_TOKEN_FILE", raising=False)
-    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
-    assert not wandb_has_credentials()
-    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password abc\n")
-    assert wandb_has_credentials()
-    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
-    assert wandb_has_credentials()
+def test_no_credentials_means_offline(monkeypatch, tmp_path):
+    """wandb's own check (wandb.login(prompt=False)) decides; without credentials: offline, no prompt."""
+    import wandb
+
+    seen = {}
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr(wandb, "login", lambda **kwargs: seen.setdefault("login", kwargs) and False)
+
+    class Run:
+        id, project, entity, step, dir = "abc", "p", None, 0, str(tmp_path / "files")
+        settings = type("S", (), {"_offline": True})()
+
+        def finish(self):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: seen.setdefault("init", kwargs) and Run())
+    WandbSink({"project": "p"}, {}).close()
+    assert seen["login"] == {"prompt": False, "verify": False} and seen["init"]["mode"] == "offline"
+
+
+def test_comlrl_wandb_config_sections():
+    run_config = {"num_agents": 2}
+    kwargs = wandb_init_kwargs({"project": "p", "run_name": "r", "config_sections": {"dataset": {"name": "d"}}},
+                               run_config)
+    assert kwargs == {"project": "p", "entity": None, "name": "r", "config": run_config}
+    assert run_config == {"num_agents": 2, "dataset": {"name": "d"}, "dataset_name": "d"}
+
+
+@pytest.mark.parametrize("identity, words", [
+    ({"id": "abc", "settings": {"base_url": "https://evil.example"}}, "settings"),
+    ({"id": "abc", "dir": "/etc"}, "dir"),
+    ({"id": 7}, "'id' must be a plain name"),
+    ({"id": "abc", "project": "a/../b"}, "'project' must be a plain name"),
+    ({"project": "p"}, "no 'id'"),
+    ("abc", "must be a dict"),
+])
+def test_a_saved_identity_is_only_plain_names(identity, words):
+    from comlrl import CheckpointError
+
+    with pytest.raises(CheckpointError, match=words):
+        check_identity(identity, "checkpoint x")
+    assert check_identity({"id": "abc", "project": "p", "entity": "team-1"}, "x") == \
+        {"id": "abc", "project": "p", "entity": "team-1"}
 
 
 def test_unknown_wandb_keys_fail_when_the_trainer_is_built(make_trainer):

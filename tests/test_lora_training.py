@@ -13,8 +13,7 @@ from comlrl.adapters import AdapterAgent
 from comlrl.exceptions import ConfigError
 from comlrl.testing import tiny_model_dir
 
-from helpers import SEED_PROMPTS, length_ratio_reward
-from test_checkpoint import assert_bit_exact, rows, state_of
+from helpers import SEED_PROMPTS, TEST_SETTINGS, assert_bit_exact, length_ratio_reward, rows, state_of
 
 def three_agent_reward(completions1, completions2, completions3):
     return length_ratio_reward(completions1, completions3)
@@ -24,8 +23,8 @@ LORA = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAU
 
 
 def lora_trainer(model_path, tokenizer, tmp_path, num_agents=2, peft_config=LORA, agent_model=None, **overrides):
-    settings = dict(num_train_epochs=2, num_generations=4, max_new_tokens=12, logging_steps=1,
-                    agent_learning_rate=1e-2, output_dir=str(tmp_path / "out"))
+    settings = dict(TEST_SETTINGS, num_train_epochs=2, max_new_tokens=12, agent_learning_rate=1e-2,
+                    output_dir=str(tmp_path / "out"))
     settings.update(overrides)
     return MAGRPOTrainer(agent_model=agent_model or model_path, num_agents=num_agents, tokenizer=tokenizer,
                          peft_config=peft_config,
@@ -72,11 +71,12 @@ def test_lora_resume_is_bit_exact_and_another_base_is_refused(model_path, tokeni
 
 
 def test_kl_to_the_base_needs_no_copy(model_path, tokenizer, tmp_path):
-    trainer = lora_trainer(model_path, tokenizer, tmp_path, num_train_epochs=2, reference_kl_coef=0.5)
-    assert trainer.references == [None, None]
+    trainer = lora_trainer(model_path, tokenizer, tmp_path, num_train_epochs=2, reference_kl_enabled=True,
+                           reference_kl_coef=0.5)
+    assert trainer.reference_models == [None, None]
     trainer.train(checkpoint_dir=tmp_path / "ckpt")
     logged = rows(tmp_path / "ckpt")
-    assert logged[0]["agent_0/kl"] == 0.0 and logged[-1]["agent_0/kl"] > 0
+    assert logged[0]["agent_0/reference_kl"] == 0.0 and logged[-1]["agent_0/reference_kl"] != 0
 
 
 def test_save_model_as_adapters_and_merged(model_path, tokenizer, tmp_path):
@@ -104,7 +104,7 @@ def test_bad_lora_input_is_refused_at_construction(model_path, tokenizer, tmp_pa
     with pytest.raises(ConfigError, match="agent_model"):
         MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path) for _ in range(2)],
                       tokenizer=tokenizer, peft_config=LORA, reward_func=length_ratio_reward,
-                      train_dataset=[{"prompt": p} for p in SEED_PROMPTS])
+                      train_dataset=[{"prompt": p} for p in SEED_PROMPTS], args=MAGRPOConfig(**TEST_SETTINGS))
     with pytest.raises(ConfigError, match="LoraConfig"):
         lora_trainer(model_path, tokenizer, tmp_path, peft_config={"r": 8})
 
@@ -116,7 +116,7 @@ def test_inits_that_do_not_start_at_the_base_are_refused(model_path, tokenizer, 
     random_b = LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM", init_lora_weights=False)
     lora_trainer(model_path, tokenizer, tmp_path, peft_config=random_b)  # fine without KL
     with pytest.raises(ConfigError, match="do not start at the base"):
-        lora_trainer(model_path, tokenizer, tmp_path, peft_config=random_b, reference_kl_coef=0.1)
+        lora_trainer(model_path, tokenizer, tmp_path, peft_config=random_b, reference_kl_enabled=True)
 
 
 def test_a_changed_adapter_config_is_refused_on_resume(model_path, tokenizer, tmp_path):

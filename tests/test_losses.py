@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comlrl.losses import completion_mask, policy_gradient_loss, selected_log_probs, sequence_log_probs
+from comlrl.functional import completion_mask, policy_gradient_loss, selected_log_probs, sequence_log_probs
 from comlrl.rollout import left_pad  # building padded inputs; not what these tests check
 
 
@@ -321,7 +321,7 @@ def test_sequence_log_probs_depends_on_the_prompt():
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_linear_selected_log_probs_equals_autograd_reference(monkeypatch, save, temperature, with_bias):
-    from comlrl import losses
+    from comlrl.functional import logprobs as losses
 
     if not save:  # force chunk-by-chunk recomputation in the backward pass (3 rows per chunk)
         monkeypatch.setattr(losses, "SAVE_LOGITS_BYTES", 3 * 4 * 50)
@@ -348,7 +348,7 @@ def test_linear_selected_log_probs_equals_autograd_reference(monkeypatch, save, 
 
 def test_sequence_log_probs_fused_head_equals_full_logits_path(monkeypatch):
     """The hidden-state path (fused head) == the model's own logits (all parameters' gradients)."""
-    from comlrl import losses
+    from comlrl.functional import logprobs as losses
 
     model, tok = _tiny("qwen2")
     prompt_lists, completion = _batch(tok)

@@ -8,7 +8,7 @@ import torch
 
 from comlrl import MAGRPOConfig
 from comlrl.exceptions import ConfigError
-from comlrl.losses import linear_selected_log_probs, sequence_log_probs
+from comlrl.functional import linear_selected_log_probs, sequence_log_probs
 from comlrl.rollout import left_pad
 
 
@@ -71,7 +71,7 @@ def test_training_in_bf16_runs_learns_a_step_and_is_reproducible(make_trainer, t
 def test_fused_head_recompute_under_autocast_equals_saved_logits(monkeypatch):
     """The chunked recompute in backward runs under the forward's autocast, so its softmax matches
     the forward's row sums: the same gradients as when the logits are kept."""
-    from comlrl import losses
+    from comlrl.functional import logprobs as losses
 
     g = torch.Generator().manual_seed(1)
     hidden0 = torch.randn(9, 16, generator=g)

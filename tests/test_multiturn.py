@@ -3,10 +3,12 @@ import random
 import pytest
 import torch
 
-from comlrl import ConfigError, TransitionError
-from comlrl.episode import ExternalTransition, Node, discounted_returns, tree_size
+from comlrl import ConfigError, DataError, TransitionError
+from comlrl.engine.episode import ExternalTransition, Node
+from comlrl.engine.prompts import render_prompt
+from comlrl.functional.returns import discounted_returns, tree_size
 
-from helpers import length_ratio_reward
+from helpers import length_ratio_reward, play
 
 
 def slow_returns(rewards, children, joint, gamma, turns):
@@ -68,7 +70,7 @@ def test_transition_gets_the_coMLRL_keywords_it_declares():
         return [f"{prompt} | {c}" for c in agent_completions]
 
     out = ExternalTransition(transition, 2)(_node(), ["x", "y"], {"prompt": "p"}, 1)
-    assert out == ["p-a | x", "p-a | y"]
+    assert out == ["p | x", "p | y"]  # prompt: the task's own prompt field
     assert seen["num_agents"] == 2 and seen["prompt_history_per_agent"] == [["p-a"], ["p-b"]]
     assert seen["response_history_per_agent"] == [["x"], ["y"]]
     assert ExternalTransition(lambda agent_completions, **kw: ["a", "b"], 2)(_node(), ["x", "y"], {}, 1) == ["a", "b"]
@@ -77,8 +79,7 @@ def test_transition_gets_the_coMLRL_keywords_it_declares():
 @pytest.mark.parametrize("returned, words", [
     (["only one"], "list of 2 next prompts"),
     ("a string", "list of 2 next prompts"),
-    (["ok", 3], "non-string or empty prompt for agent 1"),
-    (["", "ok"], "non-string or empty prompt for agent 0"),
+    (["ok", 3], "non-string prompt for agent 1"),
 ])
 def test_bad_transition_outputs_are_named(returned, words):
     with pytest.raises(TransitionError, match=words):
@@ -100,7 +101,7 @@ def refine(prompt, agent_completions, turn):
 
 
 def test_two_turns_need_a_transition(make_trainer):
-    with pytest.raises(ConfigError, match="num_turns=2 needs external_transition"):
+    with pytest.raises(ConfigError, match="num_turns=2 needs an external_transition"):
         make_trainer(num_turns=2)
 
 
@@ -113,8 +114,7 @@ def test_two_turn_episode_tree_rewards_and_env_step(make_trainer):
 
     trainer = make_trainer(num_turns=2, num_train_epochs=1, reward_func=reward,
                            trainer_kwargs={"external_transition": refine})
-    batch = trainer._make_batch([0])
-    turns = trainer._episode(batch, trainer._train_seed(0))
+    turns = play(trainer, [0])
     assert [len(t.nodes) for t in turns] == [1, 4] and [len(t.rewards) for t in turns] == [4, 16]
     assert turns[0].children == [0, 1, 2, 3] and turns[1].children == [None] * 16
     # turn-2 prompts are what the transition made of each turn-1 joint answer
@@ -122,24 +122,49 @@ def test_two_turn_episode_tree_rewards_and_env_step(make_trainer):
         assert node.path == (j,)
         assert node.prompts[1].endswith(turns[0].rollouts[0].texts[j][:20])
         assert node.response_history == [[turns[0].rollouts[0].texts[j]], [turns[0].rollouts[1].texts[j]]]
-    assert calls[-1] == [n.prompts[0] for n in turns[1].nodes for _ in range(4)]
+    # one reward call per node, with agent 0's prompt of that turn
+    assert calls[-4:] == [[n.prompts[0]] for n in turns[1].nodes]
     trainer.train()
     assert trainer.state.env_step == 4 * (4 + 16)
 
 
-def test_termination_threshold_ends_branches(make_trainer):
-    trainer = make_trainer(num_turns=2, termination_threshold=0.35, reward_func=length_ratio_reward,
-                           trainer_kwargs={"external_transition": refine})
-    turns = trainer._episode(trainer._make_batch([0]), trainer._train_seed(0))
-    ended = [r >= 0.35 for r in turns[0].rewards.tolist()]
+def test_later_prompts_go_through_the_formatters_unless_passed_through(make_trainer):
+    """CoMLRL's convention: the transition's prompt replaces the task's ``prompt`` and goes through
+    each agent's formatter (which may take ``external_prompts``); passthrough uses it as it is."""
+    formatters = [lambda item: f"A: {item['prompt']}",
+                  lambda item, external_prompts=None: f"B: {external_prompts or item['prompt']}"]
+    for passthrough in (False, True):
+        trainer = make_trainer(num_turns=2, external_prompt_passthrough=passthrough,
+                               trainer_kwargs={"external_transition": refine, "formatters": formatters})
+        turns = play(trainer, [0])
+        first = turns[0].nodes[0].prompts
+        assert first[0].startswith("A: ") and first[1].startswith("B: ")
+        later = turns[1].nodes[0].prompts
+        raw = refine(trainer._table("train").rows[0]["prompt"], [turns[0].rollouts[0].texts[0],
+                                                                 turns[0].rollouts[1].texts[0]], 1)
+        assert later == (raw if passthrough else [f"A: {raw[0]}", f"B: {raw[1]}"])
+
+
+def test_an_empty_later_prompt_is_named(make_trainer):
+    trainer = make_trainer(num_turns=2, trainer_kwargs={"external_transition": lambda agent_completions: ["", "x"]})
+    with pytest.raises(DataError, match="agent 0 for turn 2 is empty"):
+        trainer.train()
+
+
+def test_early_termination_ends_nodes_whose_mean_reward_is_above_the_threshold(make_trainer):
+    trainer = make_trainer(num_turns=2, reward_func=length_ratio_reward, trainer_kwargs={"external_transition": refine})
+    means = play(trainer, [0, 1, 2, 3], threshold=None)[0].rewards.view(4, 4).mean(dim=1)
+    threshold = float(means.median())
+    turns = play(trainer, [0, 1, 2, 3], threshold=threshold)
+    ended = (means > threshold).tolist()
     assert any(ended) and not all(ended)
-    assert len(turns[1].nodes) == ended.count(False)
-    assert [c is None for c in turns[0].children] == ended
+    assert len(turns[1].nodes) == 4 * ended.count(False)
+    assert [c is None for c in turns[0].children] == [e for e in ended for _ in range(4)]
 
 
 def test_discount_is_applied_in_training(make_trainer):
     trainer = make_trainer(num_turns=2, discount=0.5, trainer_kwargs={"external_transition": refine})
-    turns = trainer._episode(trainer._make_batch([1]), trainer._train_seed(0))
+    turns = play(trainer, [1])
     returns = discounted_returns([t.rewards for t in turns], [t.children for t in turns], 4, 0.5, 2)
     child_means = turns[1].rewards.view(4, 4).mean(dim=1)
     torch.testing.assert_close(returns[0], turns[0].rewards + 0.5 * child_means)
@@ -180,6 +205,8 @@ def test_chat_agents_render_every_turn_once(model_path, tmp_path):
     from comlrl import MAGRPOConfig, MAGRPOTrainer
     from comlrl.testing import build_tiny_tokenizer
 
+    from helpers import TEST_SETTINGS
+
     tok = build_tiny_tokenizer()
     tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -192,7 +219,8 @@ def test_chat_agents_render_every_turn_once(model_path, tmp_path):
     trainer = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path) for _ in range(2)],
                             tokenizer=tok, reward_func=length_ratio_reward, external_transition=transition,
                             train_dataset=[{"prompt": [{"role": "user", "content": "Hi."}]}],
-                            args=MAGRPOConfig(num_turns=2, max_new_tokens=4, output_dir=str(tmp_path)))
-    turns = trainer._episode(trainer._make_batch([0]), trainer._train_seed(0))
+                            args=MAGRPOConfig(**dict(TEST_SETTINGS, num_turns=2, max_new_tokens=4,
+                                                     output_dir=str(tmp_path))))
+    turns = play(trainer, [0])
     assert seen[0] == [{"role": "user", "content": "Hi."}]  # the transition sees the messages, not markup
-    assert trainer._render(0, turns[1].nodes[0].prompts[0]) == "<|user|>Go on.\n<|assistant|>"
+    assert render_prompt(tok, turns[1].nodes[0].prompts[0], chat=True) == "<|user|>Go on.\n<|assistant|>"

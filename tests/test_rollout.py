@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from comlrl.losses import completion_mask
-from comlrl.rollout import SamplingParams, derive_seed, generate, left_pad, rollout, row_uniforms, sample_tokens
+from comlrl.functional import completion_mask
+from comlrl.rollout import SamplingParams, derive_seed, left_pad, row_uniforms, sample_tokens
+from comlrl.rollout.transformers_loop import generate, rollout
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,7 +436,7 @@ def test_rollout_restores_training_mode_and_outputs_are_usable_for_autograd():
     finally:
         model.eval()
     assert not ro.completion_ids.is_inference()
-    from comlrl.losses import sequence_log_probs
+    from comlrl.functional import sequence_log_probs
 
     logp = sequence_log_probs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids)
     logp.sum().backward()

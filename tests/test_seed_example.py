@@ -19,7 +19,8 @@ def test_seed_example_trains_checkpoints_and_resumes_into_one_wandb_run(tmp_path
     checkpoints = workdir / "checkpoints" / "resume-demo"
     assert sorted(p.name for p in checkpoints.glob("checkpoint-*")) == [f"checkpoint-{i}" for i in range(1, 5)]
     rows = [json.loads(line) for line in (checkpoints / "metrics.jsonl").read_text().splitlines()]
-    assert [r["env_step"] for r in rows] == [4 * i for i in range(1, 17)]  # one row per step, no duplicates
+    # CoMLRL's defaults: 2 prompts (8 joint actions) per optimizer step; one row per step, no duplicates.
+    assert [r["env_step"] for r in rows] == [8 * i for i in range(1, 9)]
     # No credentials here: W&B ran offline, said so, and both parts used one run id.
     assert "logging offline" in result.stderr
     states = [json.loads((checkpoints / f"checkpoint-{i}" / "trainer_state.json").read_text()) for i in (2, 4)]

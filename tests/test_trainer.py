@@ -6,9 +6,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from comlrl import ConfigError, DataError, MAGRPOConfig, MAGRPOTrainer, RewardError, TokenizerError
+from comlrl.engine.prompts import render_prompt
 from comlrl.testing import build_tiny_tokenizer, tiny_model_dir
 
-from helpers import SEED_PROMPTS, length_ratio_reward
+from helpers import SEED_PROMPTS, TEST_SETTINGS, length_ratio_reward, play
+
+
+def config(**overrides):
+    return MAGRPOConfig(**{**TEST_SETTINGS, **overrides})
 
 
 def params(trainer):
@@ -33,8 +38,9 @@ def test_seed_run_trains_and_logs_at_env_step(make_trainer):
     assert [r["env_step"] for r in rows] == [4 * i for i in range(1, 9)]
     assert trainer.state.env_step == 32 and trainer.state.global_step == 8
     keys = set(rows[0])
-    for k in ("train/reward_mean", "agent_0/loss", "agent_1/loss", "agent_0/completion_length",
-              "train/learning_rate", "timing/rollout", "timing/score", "timing/update", "epoch"):
+    for k in ("train/reward_mean", "agent_0/loss", "agent_1/loss", "train/agent_0/completion_length",
+              "agent_0/grad_norm", "turn_1/reward_mean", "turn_1/expected_return", "train/learning_rate",
+              "timing/rollout", "timing/score", "timing/advantage", "timing/update", "epoch"):
         assert k in keys
     after = params(trainer)
     for agent_before, agent_after in zip(before, after):
@@ -56,35 +62,41 @@ def test_same_seed_same_run_and_other_seed_differs(make_trainer, tmp_path):
 def test_logging_steps_averages_the_window(make_trainer, tmp_path):
     every = make_trainer(num_train_epochs=1, output_dir=str(tmp_path / "every"))
     every.train()
-    pairs = make_trainer(num_train_epochs=1, logging_steps=2, output_dir=str(tmp_path / "pairs"))
+    pairs = make_trainer(num_train_epochs=1, logging_steps=8, output_dir=str(tmp_path / "pairs"))  # env steps
     pairs.train()
     r1, r2 = metrics_rows(every), metrics_rows(pairs)
-    assert [r["env_step"] for r in r2] == [8, 16]
-    for i, row in enumerate(r2):
-        expected = (r1[2 * i]["train/reward_mean"] + r1[2 * i + 1]["train/reward_mean"]) / 2
+    # CoMLRL's cadence: the first row, then once env_step moved 8 past the last row; plus the epoch's end.
+    assert [r["env_step"] for r in r2] == [4, 12, 16]
+    windows = [[0], [1, 2], [3]]
+    for row, steps in zip(r2, windows):
+        expected = sum(r1[i]["train/reward_mean"] for i in steps) / len(steps)
         assert row["train/reward_mean"] == pytest.approx(expected, abs=1e-12)
 
 
-def _gradients_of_first_step(trainer):
+def _gradients_of_first_step(trainer, monkeypatch):
     """Run one optimizer step and return each agent's gradient just before AdamW applies it."""
+    import comlrl.trainers.reinforce.magrpo as magrpo
+
     captured = []
-    apply = trainer._apply_gradients
+    apply = magrpo.apply_gradients
 
-    def spy():
-        captured.extend({n: p.grad.clone() for n, p in m.named_parameters()} for m in trainer.agents)
-        return apply()
+    def spy(models, *args, **kwargs):
+        if not captured:
+            captured.extend({n: p.grad.clone() for n, p in m.named_parameters()} for m in models)
+        return apply(models, *args, **kwargs)
 
-    trainer._apply_gradients = spy
+    monkeypatch.setattr(magrpo, "apply_gradients", spy)
     trainer.train()
     return captured
 
 
-def test_batch1_accum4_equals_batch4(make_trainer, tmp_path):
+def test_micro_batches_give_the_gradient_of_the_whole_step(make_trainer, tmp_path, monkeypatch):
+    """Memory knob only: 4 prompts per optimizer step in micro-batches of 1 group == all at once."""
     # Compared on gradients: Adam's first step is ~lr * sign(g), which amplifies rounding noise.
-    a = make_trainer(num_train_epochs=1, train_batch_size=1, gradient_accumulation_steps=4,
-                     output_dir=str(tmp_path / "a"))
-    b = make_trainer(num_train_epochs=1, train_batch_size=4, output_dir=str(tmp_path / "b"))
-    ga, gb = _gradients_of_first_step(a), _gradients_of_first_step(b)
+    settings = dict(num_train_epochs=1, rollout_buffer_size=4, train_batch_size=4)
+    a = make_trainer(micro_batch_size=1, output_dir=str(tmp_path / "a"), **settings)
+    b = make_trainer(output_dir=str(tmp_path / "b"), **settings)
+    ga, gb = _gradients_of_first_step(a, monkeypatch), _gradients_of_first_step(b, monkeypatch)
     assert a.state.global_step == b.state.global_step == 1
     ra, rb = metrics_rows(a)[0], metrics_rows(b)[0]
     assert ra["train/reward_mean"] == pytest.approx(rb["train/reward_mean"], abs=1e-12)
@@ -94,34 +106,43 @@ def test_batch1_accum4_equals_batch4(make_trainer, tmp_path):
             torch.testing.assert_close(agent_a[n], agent_b[n], atol=1e-6, rtol=1e-4)
 
 
-def test_one_agent_is_grpo(make_trainer):
+def test_a_buffer_of_several_steps(make_trainer, tmp_path):
+    """rollout_buffer_size=4, train_batch_size=2: 4 prompts sampled at once, then 2 optimizer steps
+    (CoMLRL's buffer); the buffer's prompts are sampled exactly as one prompt at a time."""
+    buffered = make_trainer(num_train_epochs=1, rollout_buffer_size=4, train_batch_size=2,
+                            output_dir=str(tmp_path / "b"))
+    single = make_trainer(num_train_epochs=1, output_dir=str(tmp_path / "s"))
+    texts = [t.rollouts[0].texts for t in play(buffered, [0, 1, 2, 3])]
+    assert texts == [sum((t.rollouts[0].texts for i in range(4) for t in play(single, [i])), [])]
+    buffered.train()
+    assert buffered.state.global_step == 2 and buffered.state.env_step == 16
+    assert len(metrics_rows(buffered)) == 1
+
+
+def test_one_agent_is_grpo(make_trainer, monkeypatch):
     """One MAGRPO step with one agent == a hand-written GRPO step on the same samples."""
     trainer = make_trainer(num_agents=1, reward_func=lambda c: [len(x) % 7 / 7 for x in c], num_train_epochs=1,
-                           train_batch_size=2, advantage_normalization=True, max_grad_norm=None)
+                           rollout_buffer_size=2, advantage_normalization=True, max_grad_norm=None,
+                           agent_learning_rate=1e-3)
     reference = AutoModelForCausalLM.from_pretrained(trainer.agents[0].config._name_or_path)
     reference.load_state_dict(trainer.agents[0].state_dict())
     captured = {}
-    sample, apply = trainer._sample_nodes, trainer._apply_gradients
+    sample = trainer.backend.sample
 
-    def spy_sample(nodes, seed_of):
-        captured.setdefault("rollouts", sample(nodes, seed_of))
+    def spy_sample(*args, **kwargs):
+        captured.setdefault("rollouts", sample(*args, **kwargs))
         return captured["rollouts"]
 
-    def spy_apply():
-        captured["grads"] = {n: p.grad.clone() for n, p in trainer.agents[0].named_parameters()}
-        return apply()
-
-    trainer._sample_nodes, trainer._apply_gradients = spy_sample, spy_apply
-    from comlrl.timing import PhaseTimer
-
-    trainer._optimizer_step(trainer._epoch_micro_batches(0)[:1], 0, PhaseTimer())
+    monkeypatch.setattr(trainer.backend, "sample", spy_sample)
+    grads = _gradients_of_first_step(trainer, monkeypatch)[0]
     ro = captured["rollouts"][0]
     assert len(ro.texts) == 2 * trainer.args.num_generations
 
     # GRPO by hand, one completion at a time, no padding anywhere.
     rewards = torch.tensor([len(t) % 7 / 7 for t in ro.texts], dtype=torch.float64)
     grouped = rewards.view(-1, trainer.args.num_generations)
-    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).view(-1)
+    std = grouped.std(1, unbiased=False, keepdim=True)
+    adv = ((grouped - grouped.mean(1, keepdim=True)) / torch.where(std > 1e-6, std, torch.ones_like(std))).view(-1)
     losses = []
     for r in range(len(ro.texts)):
         prompt = ro.prompt_ids[r][ro.prompt_mask[r].bool()]
@@ -134,7 +155,44 @@ def test_one_agent_is_grpo(make_trainer):
     torch.stack(losses).mean().backward()
     assert any(p.grad.abs().max() > 0 for p in reference.parameters())
     for n, p in reference.named_parameters():
-        torch.testing.assert_close(captured["grads"][n], p.grad, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(grads[n], p.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_agent_order_permuted_permutes_the_results(model_path, tokenizer, tmp_path, monkeypatch):
+    """Swapping the agents (and the reward's arguments) swaps every agent's losses and weights.
+
+    An agent's sampling seeds follow its position (two copies of one model must not sample alike),
+    so the swapped run is given the swapped seeds; everything else must not depend on the order."""
+    import comlrl.trainers.reinforce.magrpo as magrpo
+
+    seeds = magrpo.train_seeds
+
+    def reward(first, second):
+        return [math.exp(-abs(len(b) / max(len(a), 1) - 2)) for a, b in zip(first, second)]
+
+    def swapped(second, first):
+        return reward(first, second)
+
+    runs = []
+    for order, func in (((0, 1), reward), ((1, 0), swapped)):
+        monkeypatch.setattr(magrpo, "train_seeds", lambda seed, epoch, order=order: (
+            lambda agent, node, g: seeds(seed, epoch)(order[agent], node, g)))
+        models = [AutoModelForCausalLM.from_pretrained(model_path) for _ in range(2)]
+        with torch.no_grad():  # two different agents
+            next(models[1].parameters()).mul_(1.5)
+        trainer = MAGRPOTrainer(agents=[models[i] for i in order], tokenizer=tokenizer, reward_func=func,
+                                train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
+                                args=config(num_train_epochs=1, max_new_tokens=8, agent_learning_rate=1e-3,
+                                            output_dir=str(tmp_path / str(order))))
+        trainer.train()
+        runs.append((trainer, metrics_rows(trainer)))
+    (straight, rows_a), (crossed, rows_b) = runs
+    for ra, rb in zip(rows_a, rows_b):
+        assert ra["train/reward_mean"] == pytest.approx(rb["train/reward_mean"], abs=1e-12)
+        assert ra["agent_0/loss"] == pytest.approx(rb["agent_1/loss"], rel=1e-5, abs=1e-7)
+    for a, b in ((0, 1), (1, 0)):
+        for x, y in zip(straight.agents[a].parameters(), crossed.agents[b].parameters()):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
@@ -143,8 +201,8 @@ def test_other_architectures_train(kind, tmp_path):
     tok = AutoTokenizer.from_pretrained(path)
     trainer = MAGRPOTrainer(agent_model=str(path), num_agents=2, tokenizer=tok, reward_func=length_ratio_reward,
                             train_dataset=[{"prompt": p} for p in SEED_PROMPTS[:2]],
-                            args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=8, agent_learning_rate=1e-3,
-                                              output_dir=str(tmp_path)))
+                            args=config(num_train_epochs=1, max_new_tokens=8, agent_learning_rate=1e-3,
+                                        output_dir=str(tmp_path)))
     before = params(trainer)
     trainer.train()
     assert trainer.state.env_step == 8
@@ -154,22 +212,30 @@ def test_other_architectures_train(kind, tmp_path):
 def test_agent_model_path_loads_num_agents_and_tokenizer(model_path, tmp_path):
     trainer = MAGRPOTrainer(agent_model=str(model_path), num_agents=3,
                             reward_func=lambda a, b, c: [0.0] * len(a),
-                            train_dataset=[{"prompt": "hi"}], args=MAGRPOConfig(output_dir=str(tmp_path)))
+                            train_dataset=[{"prompt": "hi"}], args=config(output_dir=str(tmp_path)))
     assert trainer.num_agents == 3 and len({id(a) for a in trainer.agents}) == 3
+    assert trainer.model_name == str(model_path) and trainer.tokenizers[0] is trainer.tokenizers[2]
+    by_name = MAGRPOTrainer(agents=[str(model_path)] * 2, reward_func=length_ratio_reward,
+                            args=config(num_train_epochs=1, max_new_tokens=4, output_dir=str(tmp_path / "n")))
+    assert by_name.num_agents == 2 and by_name.agents[0] is not by_name.agents[1]
+    assert by_name.train_dataset is None  # given later, as CoMLRL allows
+    by_name.train_dataset = [{"prompt": "hi"}]
+    by_name.train()
+    assert by_name.env_step == 4
 
 
 def test_agent_model_instance_is_copied_and_shuffle_off_keeps_dataset_order(model_path, tokenizer, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(model_path)
     trainer = MAGRPOTrainer(agent_model=model, num_agents=2, tokenizer=tokenizer, reward_func=length_ratio_reward,
                             train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
-                            args=MAGRPOConfig(shuffle=False, train_batch_size=3, output_dir=str(tmp_path)))
+                            args=config(shuffle=False, output_dir=str(tmp_path)))
     assert trainer.agents[0] is model and trainer.agents[1] is not model
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), trainer.agents[1].parameters()))
-    assert trainer._epoch_micro_batches(5) == [[0, 1, 2], [3]]
+    assert trainer.epoch_order(5) == [0, 1, 2, 3]
     shuffled = MAGRPOTrainer(agent_model=model_path, tokenizer=tokenizer, reward_func=length_ratio_reward,
                              train_dataset=[{"prompt": p} for p in SEED_PROMPTS] * 4,
-                             args=MAGRPOConfig(output_dir=str(tmp_path)))
-    orders = [sum(shuffled._epoch_micro_batches(e), []) for e in range(3)]
+                             args=config(output_dir=str(tmp_path)))
+    orders = [shuffled.epoch_order(e) for e in range(3)]
     assert all(sorted(o) == list(range(16)) for o in orders) and orders[0] != orders[1]
 
 
@@ -178,7 +244,7 @@ def test_heterogeneous_agents_with_one_tokenizer_each(tokenizer, tmp_path):
     g = AutoModelForCausalLM.from_pretrained(tiny_model_dir("gpt2"))
     trainer = MAGRPOTrainer(agents=[q, g], tokenizer=[tokenizer, AutoTokenizer.from_pretrained(tiny_model_dir("gpt2"))],
                             reward_func=length_ratio_reward, train_dataset=[{"prompt": "hi"}],
-                            args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=6, output_dir=str(tmp_path)))
+                            args=config(num_train_epochs=1, max_new_tokens=6, output_dir=str(tmp_path)))
     trainer.train()
     assert trainer.state.env_step == 4
 
@@ -194,15 +260,15 @@ def test_empty_dataset_and_missing_prompt_column(make_trainer):
         make_trainer(dataset=[{"prompt": 42}])
     # a formatter makes a prompt out of any column
     trainer = make_trainer(dataset=[{"question": "why?"}], trainer_kwargs={"formatters": lambda row: row["question"]})
-    assert trainer._make_batch([0]).prompts == [["why?"], ["why?"]]
+    assert trainer._table("train").prompts == (("why?",), ("why?",))
 
 
 def test_formatter_errors_are_named(make_trainer):
-    with pytest.raises(DataError, match="formatter of agent 0 failed on dataset row 0: KeyError"):
+    with pytest.raises(DataError, match="formatter of agent 0 failed on train_dataset row 0: KeyError"):
         make_trainer(trainer_kwargs={"formatters": lambda row: row["missing"]})
-    with pytest.raises(DataError, match="Make the formatter return str"):
+    with pytest.raises(DataError, match="Make the formatter return text"):
         make_trainer(trainer_kwargs={"formatters": lambda row: ["not", "a", "string"]})
-    with pytest.raises(ConfigError, match="one callable or a list of 2"):
+    with pytest.raises(ConfigError, match="formatters has 1 entries for 2 agents"):
         make_trainer(trainer_kwargs={"formatters": [lambda r: r["prompt"]]})
 
 
@@ -211,7 +277,7 @@ def test_tokenizer_without_pad_token_uses_eos(model_path, tmp_path):
     assert tok.pad_token_id is None
     trainer = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path) for _ in range(2)],
                             tokenizer=tok, reward_func=length_ratio_reward, train_dataset=[{"prompt": "hi"}],
-                            args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=6, output_dir=str(tmp_path)))
+                            args=config(num_train_epochs=1, max_new_tokens=6, output_dir=str(tmp_path)))
     assert tok.pad_token_id == tok.eos_token_id
     trainer.train()
 
@@ -221,28 +287,34 @@ def test_incompatible_tokenizers_are_refused(model_path, tokenizer, tmp_path):
     big = AutoModelForCausalLM.from_pretrained(model_path)
     with pytest.raises(TokenizerError, match="512 tokens but its model's embedding has only 300 rows"):
         MAGRPOTrainer(agents=[big, small], tokenizer=tokenizer, reward_func=length_ratio_reward,
-                      train_dataset=[{"prompt": "hi"}], args=MAGRPOConfig(output_dir=str(tmp_path)))
-    with pytest.raises(TokenizerError, match="2 agents"):
+                      train_dataset=[{"prompt": "hi"}], args=config(output_dir=str(tmp_path)))
+    with pytest.raises(TokenizerError, match="tokenizers length \\(3\\) must match the number of agents \\(2\\)"):
         MAGRPOTrainer(agents=[big, small], tokenizer=[tokenizer] * 3, reward_func=length_ratio_reward,
-                      train_dataset=[{"prompt": "hi"}], args=MAGRPOConfig(output_dir=str(tmp_path)))
-    with pytest.raises(TokenizerError, match="tokenizer is required"):
-        MAGRPOTrainer(agents=[big, small], reward_func=length_ratio_reward, train_dataset=[{"prompt": "hi"}])
+                      train_dataset=[{"prompt": "hi"}], args=config(output_dir=str(tmp_path)))
+    with pytest.raises(TokenizerError, match="must be provided when agents are model objects"):
+        MAGRPOTrainer(agents=[big, small], reward_func=length_ratio_reward, train_dataset=[{"prompt": "hi"}],
+                      args=config())
 
 
-def test_bad_agents_arguments(model_path):
+def test_bad_agents_arguments(model_path, tokenizer, caplog):
     model = AutoModelForCausalLM.from_pretrained(model_path)
-    with pytest.raises(ConfigError, match="exactly one of"):
-        MAGRPOTrainer(reward_func=length_ratio_reward, train_dataset=[{"prompt": "x"}])
-    with pytest.raises(ConfigError, match="same model object"):
-        MAGRPOTrainer(agents=[model, model], tokenizer=None, reward_func=length_ratio_reward,
-                      train_dataset=[{"prompt": "x"}])
+    with pytest.raises(ConfigError, match="Either agent_model or agents"):
+        MAGRPOTrainer(reward_func=length_ratio_reward, train_dataset=[{"prompt": "x"}], args=config())
+    with pytest.raises(ConfigError, match="reward_func"):
+        MAGRPOTrainer(agents=[model], tokenizer=tokenizer, train_dataset=[{"prompt": "x"}], args=config())
     with pytest.raises(ConfigError, match="args must be a MAGRPOConfig"):
         MAGRPOTrainer(agents=[model], tokenizer=None, reward_func=length_ratio_reward,
                       train_dataset=[{"prompt": "x"}], args={"num_generations": 4})
+    with pytest.raises(ConfigError, match="agents length \\(2\\) must match num_agents \\(3\\)"):
+        MAGRPOTrainer(agents=[model_path, model_path], num_agents=3, reward_func=length_ratio_reward, args=config())
+    # One object for two agents would train one set of weights with two optimizers: it is copied.
+    trainer = MAGRPOTrainer(agents=[model, model], tokenizer=tokenizer, reward_func=length_ratio_reward,
+                            train_dataset=[{"prompt": "x"}], args=config())
+    assert trainer.agents[0] is model and trainer.agents[1] is not model and "its own copy" in caplog.text
 
 
 @pytest.mark.parametrize("bad_reward, words", [
-    (lambda a, b: [1.0] * (len(a) - 1), "returned 3 values for 4 joint actions"),
+    (lambda a, b: [1.0] * (len(a) - 1), "returned 3 value.s. for 4 joint actions"),
     (lambda a, b: [math.nan] * len(a), "finite"),
     (lambda a, b: ["good"] * len(a), "non-number"),
     (lambda a, b: 1 / 0, "ZeroDivisionError"),
@@ -258,16 +330,16 @@ def test_bad_rewards_stop_training_before_any_update(make_trainer, bad_reward, w
 
 
 def test_device_must_exist(make_trainer):
-    with pytest.raises(ConfigError, match="not available"):
-        make_trainer(device="cuda:7")
+    with pytest.raises(ConfigError, match="agent_devices asks for cuda:7"):
+        make_trainer(agent_devices="cuda:7")
 
 
 def test_every_row_is_formatted_before_training(make_trainer):
     rows = [{"prompt": "fine"}, {"prompt": "also fine"}, {"prompt": ""}]
-    with pytest.raises(DataError, match="dataset row 2 is empty"):
+    with pytest.raises(DataError, match="train_dataset row 2 is empty"):
         make_trainer(dataset=rows)
     late = [{"prompt": "a", "n": 1}, {"prompt": "b"}]
-    with pytest.raises(DataError, match="failed on dataset row 1: KeyError"):
+    with pytest.raises(DataError, match="failed on train_dataset row 1: KeyError"):
         make_trainer(dataset=late, trainer_kwargs={"formatters": lambda row: row["prompt"] * row["n"]})
 
 
@@ -280,15 +352,20 @@ def test_logged_learning_rate_is_the_one_the_step_used(make_trainer):
 
 def test_loss_uses_the_sampling_policy_even_with_dropout(tmp_path):
     """GPT-2 has dropout 0.1: the loss forward must run it off, like sampling does."""
+    from comlrl.engine.step import AgentRows, policy_backward
+
     path = tiny_model_dir("gpt2")
     model = AutoModelForCausalLM.from_pretrained(path, resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
     trainer = MAGRPOTrainer(agents=[model], tokenizer=AutoTokenizer.from_pretrained(path),
                             reward_func=lambda c: [float(len(x)) for x in c], train_dataset=[{"prompt": "hi"}],
-                            args=MAGRPOConfig(max_new_tokens=6, output_dir=str(tmp_path)))
-    batch = trainer._make_batch([0])
-    ro = trainer._episode(batch, trainer._train_seed(0))[0].rollouts[0]
-    adv = torch.linspace(-1, 1, len(ro.texts))
-    assert trainer._backward(0, ro, adv, 1.0) == trainer._backward(0, ro, adv, 1.0)
+                            args=config(max_new_tokens=6, output_dir=str(tmp_path)))
+    model.train()
+    ro = play(trainer, [0])[0].rollouts[0]
+    rows = AgentRows(ro, torch.linspace(-1, 1, len(ro.texts), dtype=torch.float64), torch.zeros(len(ro.texts),
+                                                                                              dtype=torch.long))
+    losses = [policy_backward(model, rows, lambda r, g: r.float(), temperature=1.0, loss_type="grpo",
+                              max_new_tokens=6, denominator=len(ro.texts), micro_groups=None).loss for _ in range(2)]
+    assert losses[0] == losses[1]
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -301,17 +378,20 @@ def test_chat_messages_are_rendered_with_each_agents_template(model_path, tmp_pa
     rows = [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a city."}]}]
     trainer = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path)], tokenizer=chat_tok,
                             reward_func=lambda c: [float(len(x)) for x in c], train_dataset=rows,
-                            args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=4, output_dir=str(tmp_path)))
-    assert trainer._render(0, trainer.train_prompts[0][0]) == "<|system|>Be brief.\n<|user|>Name a city.\n<|assistant|>"
-    assert trainer._render(0, "Next turn") == "<|user|>Next turn\n<|assistant|>"
+                            args=config(num_train_epochs=1, max_new_tokens=4, output_dir=str(tmp_path)))
+    table = trainer._table("train")
+    assert render_prompt(chat_tok, table.prompts[0][0], table.chat[0]) == \
+        "<|system|>Be brief.\n<|user|>Name a city.\n<|assistant|>"
+    assert render_prompt(chat_tok, "Next turn", True) == "<|user|>Next turn\n<|assistant|>"
     trainer.train()
     with pytest.raises(TokenizerError, match="no chat_template"):
         MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path)], tokenizer=plain_tok,
-                      reward_func=lambda c: [0.0] * len(c), train_dataset=rows, args=MAGRPOConfig(output_dir=str(tmp_path)))
-    with pytest.raises(DataError, match="plain-string prompts for some rows and chat messages"):
+                      reward_func=lambda c: [0.0] * len(c), train_dataset=rows,
+                      args=config(output_dir=str(tmp_path))).train()
+    with pytest.raises(DataError, match="plain-string prompts for some rows of train_dataset and chat messages"):
         MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(model_path)], tokenizer=chat_tok,
                       reward_func=lambda c: [0.0] * len(c), train_dataset=rows + [{"prompt": "plain"}],
-                      args=MAGRPOConfig(output_dir=str(tmp_path)))
+                      args=config(output_dir=str(tmp_path)))
 
 
 def test_formatters_per_agent_mix_chat_and_plain(model_path, tmp_path):
@@ -323,10 +403,11 @@ def test_formatters_per_agent_mix_chat_and_plain(model_path, tmp_path):
         reward_func=length_ratio_reward, train_dataset=[{"topic": "rain"}],
         formatters=[lambda r: [{"role": "user", "content": f"Write about {r['topic']}."}],
                     lambda r: f"Critique a text about {r['topic']}:"],
-        args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=4, output_dir=str(tmp_path)))
-    assert [trainer._render(a, trainer.train_prompts[a][0]) for a in range(2)] == [
+        args=config(num_train_epochs=1, max_new_tokens=4, output_dir=str(tmp_path)))
+    table = trainer._table("train")
+    assert [render_prompt(tok, table.prompts[a][0], table.chat[a]) for a, tok in enumerate((chat_tok, plain_tok))] == [
         "<|user|>Write about rain.\n<|assistant|>", "Critique a text about rain:"]
-    assert trainer.chat_agents == [True, False]
+    assert table.chat == (True, False)
     trainer.train()
 
 
@@ -335,12 +416,13 @@ def test_named_variant_trainers(model_path, tokenizer, tmp_path):
 
     common = dict(agent_model=str(model_path), tokenizer=tokenizer, reward_func=length_ratio_reward,
                   train_dataset=[{"prompt": "hi"}])
-    trainer = MARLOOTrainer(**common, args=MARLOOConfig(num_train_epochs=1, max_new_tokens=4, output_dir=str(tmp_path)))
-    assert trainer.args.advantage_mode == "rloo"
+    trainer = MARLOOTrainer(**common, args=MARLOOConfig(**{**TEST_SETTINGS, "num_train_epochs": 1,
+                                                           "max_new_tokens": 4, "output_dir": str(tmp_path)}))
+    assert trainer.args.advantage_mode == "rloo" and trainer.algorithm_name == "MARLOO"
     trainer.train()
-    assert MARLOOTrainer(**common).args.advantage_mode == "rloo"
-    with pytest.raises(ConfigError, match="MARLOOTrainer trains with advantage_mode='rloo'"):
-        MARLOOTrainer(**common, args=MAGRPOConfig())
+    assert MARLOOTrainer(**common, args=MARLOOConfig(num_turns=1)).args.advantage_mode == "rloo"
+    # As in CoMLRL, the config's baseline is the one used.
+    assert MARLOOTrainer(**common, args=config()).args.advantage_mode == "mean"
 
 
 def test_save_model_writes_loadable_transformers_directories(make_trainer, tmp_path):
@@ -368,9 +450,10 @@ def test_agent_devices_place_each_agent_and_are_checked(make_trainer, tmp_path):
     trainer = make_trainer(num_train_epochs=1, agent_devices=["cpu", "cpu"])
     trainer.train()
     assert [next(m.parameters()).device.type for m in trainer.agents] == ["cpu", "cpu"]
-    with pytest.raises(ConfigError, match="names 1 device\\(s\\) for 2 agents"):
-        make_trainer(agent_devices=["cpu"])
-    with pytest.raises(ConfigError, match="'cuda:5' is not available"):
+    assert make_trainer(agent_devices=["cpu"]).agent_devices == [torch.device("cpu")] * 2  # one for all
+    with pytest.raises(ConfigError, match="agent_devices length \\(3\\) must be 1 or 2"):
+        make_trainer(agent_devices=["cpu"] * 3)
+    with pytest.raises(ConfigError, match="agent_devices asks for cuda:5"):
         make_trainer(agent_devices=["cpu", "cuda:5"])
     # devices may change on resume
     make_trainer(num_train_epochs=1).train(checkpoint_dir=tmp_path / "c")

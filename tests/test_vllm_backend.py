@@ -1,4 +1,4 @@
-"""rollout_backend="vllm" (comlrl.vllm_backend) against a stand-in with vLLM 0.33's interface.
+"""rollout_backend="vllm" (comlrl.rollout.vllm) against a stand-in with vLLM 0.33's interface.
 
 vLLM needs CUDA and cannot be installed on the CPU machines the tests run on, so
 ``tests/fake_vllm`` provides the same names and call protocol (see its README). What is tested here
@@ -18,7 +18,8 @@ import torch
 
 from comlrl import MAGRPOConfig
 from comlrl.exceptions import ConfigError
-from comlrl.rollout import SamplingParams, TransformersRollout
+from comlrl.rollout import SamplingParams
+from comlrl.rollout.transformers_loop import TransformersRollout
 from helpers import SEED_PROMPTS
 
 FAKE = Path(__file__).parent / "fake_vllm"
@@ -35,7 +36,7 @@ def fake_vllm(monkeypatch):
         pytest.skip("a real vLLM is installed; these tests use the stand-in")
     _drop_vllm_modules()
     monkeypatch.syspath_prepend(str(FAKE))
-    import comlrl.vllm_backend as backend
+    import comlrl.rollout.vllm as backend
     # The stand-in's engines run on the CPU; the real IPC transfer serves CUDA agents only.
     monkeypatch.setitem(backend.TRANSFER_BACKENDS, "cpu", "ipc")
     import vllm
@@ -71,7 +72,7 @@ def test_vllm_settings_are_checked_when_the_config_is_built(fake_vllm):
 
 
 def test_agents_the_backend_cannot_serve_are_refused(fake_vllm, make_trainer, model_path, monkeypatch, tmp_path):
-    import comlrl.vllm_backend as backend
+    import comlrl.rollout.vllm as backend
     monkeypatch.delitem(backend.TRANSFER_BACKENDS, "cpu")
     with pytest.raises(ConfigError, match="CUDA"):
         make_trainer(rollout_backend="vllm")
@@ -81,7 +82,7 @@ def test_agents_the_backend_cannot_serve_are_refused(fake_vllm, make_trainer, mo
     with pytest.raises(ConfigError, match="LoRA"):
         MAGRPOTrainer(agent_model=model_path, num_agents=2, peft_config=peft.LoraConfig(r=4, target_modules=["q_proj"]),
                       reward_func=length_ratio_reward, train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
-                      args=MAGRPOConfig(rollout_backend="vllm", output_dir=str(tmp_path)))
+                      args=MAGRPOConfig(num_turns=1, rollout_backend="vllm", output_dir=str(tmp_path)))
 
 
 def test_engines_sample_with_the_live_weights_one_request_per_row(fake_vllm, make_trainer, tokenizer):
@@ -111,7 +112,7 @@ def test_engines_sample_with_the_live_weights_one_request_per_row(fake_vllm, mak
     first_step = [[sp.seed for _, sp in engine.requests[:4]] for engine in engines]
     assert all(len(set(seeds)) == 4 for seeds in first_step) and set(first_step[0]).isdisjoint(first_step[1])
     rows = trainer_metrics(trainer)
-    assert len(rows) == 4 and all(1 <= r["agent_0/completion_length"] <= 6 for r in rows)
+    assert len(rows) == 4 and all(1 <= r["train/agent_0/completion_length"] <= 6 for r in rows)
 
 
 def trainer_metrics(trainer):
@@ -140,7 +141,7 @@ def test_a_resume_pushes_the_checkpoint_weights_before_sampling(fake_vllm, make_
 def test_outputs_become_a_rollout_padded_after_the_end_of_sequence(fake_vllm, model_path, tokenizer, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from comlrl.vllm_backend import VLLMRollout
+    from comlrl.rollout.vllm import VLLMRollout
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     scripted = iter([[7, 8, eos], [9, 10, 11, 12], [13, eos], [14, 15, 16, 17]])
     monkeypatch.setattr(fake_vllm.LLM, "_sample",
@@ -169,7 +170,7 @@ def test_engine_setup_a_real_vllm_needs(fake_vllm, model_path, tokenizer, monkey
     was cleared."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    import comlrl.vllm_backend as backend
+    import comlrl.rollout.vllm as backend
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     monkeypatch.setattr(backend, "MIN_TRANSFER_BUFFER_BYTES", 1024)
     config = AutoConfig.from_pretrained(model_path)

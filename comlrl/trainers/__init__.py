@@ -1,5 +1,7 @@
-"""Trainers. MAGRPO lives in :mod:`comlrl.trainers.reinforce`."""
+"""Trainers by family (CoMLRL's ``comlrl.trainers`` names)."""
 
-from .reinforce import MAGRPOConfig, MAGRPOTrainer
+from .reinforce import (MAGRPOConfig, MAGRPOTrainer, MAREINFORCEConfig, MAREINFORCETrainer, MAReMaxConfig,
+                        MAReMaxTrainer, MARLOOConfig, MARLOOTrainer)
 
-__all__ = ["MAGRPOConfig", "MAGRPOTrainer"]
+__all__ = ["MAGRPOConfig", "MAGRPOTrainer", "MAREINFORCEConfig", "MAREINFORCETrainer", "MAReMaxConfig",
+           "MAReMaxTrainer", "MARLOOConfig", "MARLOOTrainer"]

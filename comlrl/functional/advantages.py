@@ -11,12 +11,14 @@ import torch
 __all__ = ["group_advantages", "group_mean_std"]
 
 
-def group_mean_std(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample mean and unbiased std of the sample's group.
+def group_mean_std(values: torch.Tensor, group_ids: torch.Tensor, unbiased: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample mean and std of the sample's group.
 
     Args:
         values: ``[N]`` float returns.
         group_ids: ``[N]`` int64 group index in ``[0, G)``; every group must have >= 1 sample.
+        unbiased: divide the squared deviations by ``n - 1`` instead of ``n`` (population std).
     Returns:
         ``(mean, std)``, each ``[N]``: the statistics of the group each sample belongs to. The std of
         a group of one sample is 0.
@@ -29,7 +31,7 @@ def group_mean_std(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch
     sq = torch.zeros(num_groups, dtype=torch.float64, device=values.device).index_add_(
         0, group_ids, (values - mean) ** 2
     )
-    var = sq / (counts - 1).clamp(min=1)
+    var = sq / ((counts - 1).clamp(min=1) if unbiased else counts)
     return mean, var.sqrt()[group_ids]
 
 
@@ -44,7 +46,7 @@ def group_advantages(
     group_ids: torch.Tensor,
     mode: str = "mean",
     normalize: bool = False,
-    eps: float = 1e-4,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """Advantage of every sample against its group.
 
@@ -57,8 +59,11 @@ def group_advantages(
             ``"max"``: group max (ReMax-style; advantages are <= 0);
             ``"rloo"``: mean of the *other* samples of the group (leave-one-out), which equals
             ``K/(K-1) * (r - mean)`` for a group of K.
-        normalize: divide by the group's unbiased reward std + ``eps`` (GRPO's scaling).
-        eps: added to the std so that a group with equal rewards gets advantage 0, not NaN.
+        normalize: divide by the std (population) of the group's returns, where it exceeds
+            ``eps``; a group whose returns are all equal is left unscaled (its mean-based
+            advantages are 0 anyway, and a raw or max baseline keeps its value instead of
+            being blown up by a zero std).
+        eps: the smallest std that rescales a group.
     Returns:
         ``[N]`` float32 advantages, on ``returns.device``.
     """
@@ -79,5 +84,5 @@ def group_advantages(
     else:
         raise ValueError(f"unknown advantage mode {mode!r}; use 'mean', 'raw', 'max' or 'rloo'")
     if normalize:
-        adv = adv / (std + eps)
+        adv = adv / torch.where(std > eps, std, torch.ones_like(std))
     return adv.to(torch.float32)

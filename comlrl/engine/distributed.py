@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-from .exceptions import ComlrlError, ConfigError
+from ..exceptions import ComlrlError, ConfigError
 
 __all__ = ["DistContext", "init_distributed", "shard", "gather_objects", "main_process_first_result",
            "all_reduce_gradients", "all_reduce_sum", "broadcast_parameters", "barrier"]

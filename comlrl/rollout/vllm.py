@@ -43,8 +43,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .exceptions import ConfigError
-from .rollout import Rollout, SamplingParams, _finish, _prepare
+from ..exceptions import ConfigError
+from .sampling import Rollout, SamplingParams
+from .transformers_loop import _finish, _prepare
 
 __all__ = ["VLLMRollout", "check_vllm_available", "INSTALL_HINT"]
 
@@ -135,8 +136,8 @@ class VLLMRollout:
             if device.type not in TRANSFER_BACKENDS:
                 raise ConfigError(
                     f"rollout_backend='vllm' shares each agent's weights with its vLLM engine on the same GPU "
-                    f"(CUDA IPC), but agent {a} is on {device}. Put the agents on CUDA devices (device='cuda' or "
-                    "agent_devices), or use rollout_backend='auto'.")
+                    f"(CUDA IPC), but agent {a} is on {device}. Put the agents on CUDA devices (agent_devices='cuda' or a"
+                    " list of CUDA devices), or use rollout_backend='auto'.")
         # The weight updates reach each engine process as CUDA IPC handles, which vLLM passes between
         # its own local processes with pickle only when this is set (read when an engine starts).
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")

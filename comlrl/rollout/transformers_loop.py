@@ -1,159 +1,43 @@
-"""Rollout: every agent samples K completions per prompt, batched over prompts x generations.
+"""The in-process rollout backend: the agents' own ``transformers`` models sample, batched.
 
-Sampling is counter-based: row ``r`` draws its random numbers from its own generator, seeded by
-:func:`derive_seed` from (run seed, agent, epoch, example, generation). So a completion does not
-depend on which other prompts share its batch (batched == one prompt at a time), on the device,
-or on anything that happened earlier in the process, and resuming needs no sampler state at all.
-
-The sampler is a plain KV-cache loop: one prefill of the left-padded prompts, then one forward of
-``[R, 1]`` tokens per new token, logits only for the last position, inverse-CDF sampling with the
-row's uniform number. It stops as soon as every row has produced an end-of-sequence token.
+One prefill of the left-padded prompts, then one forward of ``[R, 1]`` tokens per new token (on
+the lean decoder of :mod:`comlrl.rollout.lean` where the model allows, else transformers' own
+forward), logits only for the last position, inverse-CDF sampling with each row's own uniform
+numbers (:mod:`comlrl.rollout.sampling`). It stops as soon as every row has produced an EOS.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import inspect
 import logging
+import weakref
 from concurrent.futures import ThreadPoolExecutor
-import contextlib
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
-from . import fast_decode
-from .losses import completion_mask
+from ..functional.losses import completion_mask
+from . import lean as fast_decode
+from .sampling import Rollout, SamplingParams, left_pad, row_uniforms, sample_tokens
 
 logger = logging.getLogger("comlrl")
 
-__all__ = [
-    "Rollout",
-    "SamplingParams",
-    "derive_seed",
-    "row_uniforms",
-    "sample_tokens",
-    "generate",
-    "rollout",
-    "rollout_agents",
-    "TransformersRollout",
-]
+__all__ = ["generate", "rollout", "rollout_agents", "TransformersRollout", "decode_completions"]
+
+# Models the lean decoder declined, so that the reason is logged once per model.
+_DECLINED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """How tokens are drawn. ``top_k`` None or 0 = no limit; ``top_p`` 1.0 = no nucleus cut."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: Optional[int] = None
-
-
-@dataclass
-class Rollout:
-    """One agent's completions for a batch of prompts. Rows are prompt-major: row = g * K + k."""
-
-    prompt_ids: torch.Tensor       # [R, P] int64, left-padded with pad_token_id
-    prompt_mask: torch.Tensor      # [R, P] int64, 1 = real prompt token
-    completion_ids: torch.Tensor   # [R, T] int64, right-padded after the first EOS
-    completion_mask: torch.Tensor  # [R, T] bool, tokens up to and including the first EOS
-    group_ids: torch.Tensor        # [R] int64, index of the prompt (group) of each row
-    texts: list[str]               # R decoded completions, EOS and padding stripped
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """``[R]`` number of scored tokens per completion."""
-        return self.completion_mask.sum(dim=1)
-
-
-def derive_seed(*parts: object) -> int:
-    """A 63-bit seed that depends only on ``parts`` (stable across processes and platforms)."""
-    digest = hashlib.blake2b(repr(parts).encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def row_uniforms(seeds: Sequence[int], length: int) -> torch.Tensor:
-    """``[R, length]`` float64 uniforms in (0, 1], row r drawn from its own generator ``seeds[r]``."""
-    rows = [torch.rand(length, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds]
-    return 1.0 - torch.stack(rows) if rows else torch.empty(0, length, dtype=torch.float64)
-
-
-def sample_tokens(logits: torch.Tensor, uniforms: torch.Tensor, temperature: float = 1.0,
-                  top_p: float = 1.0, top_k: Optional[int] = None) -> torch.Tensor:
-    """Draw one token per row by inverting the CDF of the filtered distribution.
-
-    Args:
-        logits: ``[R, V]`` next-token logits.
-        uniforms: ``[R]`` numbers in (0, 1]; the same number always picks the same token from the
-            same distribution, which is what makes sampling reproducible row by row.
-    Returns:
-        ``[R]`` int64 token ids. Filtering follows transformers' order: temperature, top-k, top-p.
-        The CDF runs over token ids in increasing order whichever path computes it.
-    """
-    scores = logits.float()
-    if temperature != 1.0:
-        scores = scores / temperature
-    vocab = scores.shape[-1]
-    if top_k and top_k < vocab:
-        k = int(top_k)
-        # k + 1 candidates, sorted descending: the extra one tells whether the k-th score is tied.
-        top_scores, top_ids = torch.topk(scores, k + 1, dim=-1)
-        # Fast path, row by row: work on the k candidates only (O(k) instead of O(V) per step).
-        # Valid unless a tie at the k-th score keeps more than k tokens, as transformers' top-k
-        # does; such rows take the full path. Each row's path depends on that row alone, so a
-        # row's token never depends on which other rows (or agents) share the batch.
-        untied = top_scores[:, k] < top_scores[:, k - 1]
-        if bool(untied.all()):
-            return _sample_candidates(top_scores[:, :k], top_ids[:, :k], uniforms, top_p)
-        tokens = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
-        if bool(untied.any()):
-            tokens[untied] = _sample_candidates(top_scores[untied, :k], top_ids[untied, :k], uniforms[untied], top_p)
-        tied = ~untied
-        kth = top_scores[tied, k - 1:k]
-        rest = scores[tied]
-        tokens[tied] = _sample_full(rest.masked_fill(rest < kth, -torch.inf), uniforms[tied], top_p)
-        return tokens
-    return _sample_full(scores, uniforms, top_p)
-
-
-def _sample_full(scores: torch.Tensor, uniforms: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Inverse-CDF sampling over the whole vocabulary (token-id order) after the nucleus cut."""
-    vocab = scores.shape[-1]
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float64)
-    if top_p < 1.0:
-        probs = probs.masked_fill(_nucleus_drop(probs, top_p), 0.0)
-    return _invert_cdf(probs, uniforms, torch.arange(vocab, device=probs.device).expand_as(probs))
-
-
-def _nucleus_drop_sorted(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """For probabilities sorted descending: which fall outside the smallest set holding ``top_p``."""
-    drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p
-    drop[:, 0] = False  # always keep the most likely token
-    return drop
-
-
-def _nucleus_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """``[R, V]`` bool: tokens outside the smallest most-likely set holding ``top_p`` of the mass."""
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-    return torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, _nucleus_drop_sorted(sorted_probs, top_p))
-
-
-def _sample_candidates(top_scores: torch.Tensor, top_ids: torch.Tensor, uniforms: torch.Tensor,
-                       top_p: float) -> torch.Tensor:
-    probs = torch.softmax(top_scores, dim=-1, dtype=torch.float64)  # [R, k], descending
-    if top_p < 1.0:
-        probs = probs.masked_fill(_nucleus_drop_sorted(probs, top_p), 0.0)
-    ids, order = torch.sort(top_ids, dim=-1)  # token-id order, like the full-vocabulary CDF
-    return _invert_cdf(probs.gather(-1, order), uniforms, ids)
-
-
-def _invert_cdf(probs: torch.Tensor, uniforms: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Token ``ids[r, j]`` for the first j whose cumulative probability reaches ``u * total``."""
-    cdf = torch.cumsum(probs, dim=-1)
-    target = uniforms.to(cdf.device, torch.float64).unsqueeze(-1) * cdf[:, -1:]
-    pos = torch.searchsorted(cdf, target).clamp_(max=probs.shape[-1] - 1)
-    return ids.gather(-1, pos).squeeze(-1)
+def explain_decoder(model: torch.nn.Module) -> Optional[str]:
+    """Why the lean decoder cannot run ``model`` (None if it can), logged once per model."""
+    reason = fast_decode.supports_static_decoding(model)
+    if reason is not None and model not in _DECLINED:
+        _DECLINED.add(model)
+        logger.info("comlrl: the lean decoder does not run %s (%s); it samples with the transformers forward.",
+                    type(model).__name__, reason)
+    return reason
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -195,7 +79,8 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
     logits = out.logits[:, -1, :]
     next_position = positions[:, -1:] + 1
     fast = fast_decode.static_decoder_for(model, _output_cache(out), prompt_mask, next_position[:, 0],
-                                          params.max_new_tokens) if backend == "auto" else None
+                                          params.max_new_tokens) if backend == "auto" and \
+        explain_decoder(model) is None else None
     if fast is not None and not fast_decode.needs_check(model):
         out = None  # the static cache holds the prompt now: free transformers' copy
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -225,19 +110,6 @@ def generate(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torc
             logits = out.logits[:, -1, :]
         next_position = next_position + 1
     return torch.stack(steps, dim=1)
-
-
-def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torch.device | str = "cpu"
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists to ``[R, P]`` ids and an attention mask."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        if seq:
-            ids[row, width - len(seq):] = torch.as_tensor(seq, dtype=torch.long)
-            mask[row, width - len(seq):] = 1
-    return ids.to(device), mask.to(device)
 
 
 @dataclass
@@ -338,31 +210,48 @@ def rollout_agents(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any],
 
 
 class TransformersRollout:
-    """The default rollout backend: the agents' own ``transformers`` models sample in this process
-    (:func:`rollout_agents`), so they always see the live weights.
-
-    Every backend has this interface (see also :class:`comlrl.vllm_backend.VLLMRollout`):
-    ``sample(prompts, seeds, params, eos_token_ids, add_special_tokens) -> list[Rollout]`` for one
-    turn of every agent; ``mark_stale(agents=None)`` after the agents' weights change; ``close()``.
+    """The in-process backend: the agents' own models sample (:func:`rollout_agents`), so they
+    always see the live weights. An agent whose ``generate`` was replaced on the model object, or
+    every agent with ``backend="generate"``, samples through ``model.generate`` instead
+    (:mod:`comlrl.rollout.generate_backend`).
 
     Args:
-        decoder: ``"auto"`` (the lean decoder where supported) or ``"hf"`` (see :func:`generate`).
+        backend: ``"auto"`` (the lean decoder where supported), ``"hf"`` (transformers' forward
+            at every step) or ``"generate"``.
     """
 
-    def __init__(self, models: Sequence[torch.nn.Module], tokenizers: Sequence[Any], decoder: str = "auto"):
-        self.models, self.tokenizers, self.decoder = list(models), list(tokenizers), decoder
+    def __init__(self, models: Sequence[torch.nn.Module], tokenizers: Sequence[Any], backend: str = "auto"):
+        from .generate_backend import has_custom_generate
+
+        self.models, self.tokenizers = list(models), list(tokenizers)
+        self.decoder = "auto" if backend == "generate" else backend
+        self.via_generate = [backend == "generate" or (backend == "auto" and has_custom_generate(m))
+                             for m in self.models]
 
     def sample(self, prompts: Sequence[Sequence[str]], seeds: Sequence[Sequence[Sequence[int]]],
                params: SamplingParams, eos_token_ids: Sequence[Sequence[int]],
                add_special_tokens: Sequence[bool]) -> list[Rollout]:
-        return rollout_agents(self.models, self.tokenizers, prompts, seeds, params, eos_token_ids,
-                              add_special_tokens, backend=self.decoder)
+        from .generate_backend import generate_rollout
+
+        loop = [a for a, g in enumerate(self.via_generate) if not g]
+        out: list[Optional[Rollout]] = [None] * len(self.models)
+        if loop:
+            pick = lambda values: [values[a] for a in loop]  # noqa: E731
+            for a, ro in zip(loop, rollout_agents(pick(self.models), pick(self.tokenizers), pick(prompts),
+                                                  pick(seeds), params, pick(eos_token_ids),
+                                                  pick(add_special_tokens), backend=self.decoder)):
+                out[a] = ro
+        for a, use in enumerate(self.via_generate):
+            if use:
+                out[a] = generate_rollout(self.models[a], self.tokenizers[a], prompts[a], seeds[a], params,
+                                          eos_token_ids[a], add_special_tokens[a])
+        return out  # type: ignore[return-value]
 
     def mark_stale(self, agents: Optional[Sequence[int]] = None) -> None:
         """Nothing to do: sampling reads the models' parameters themselves."""
 
     def close(self) -> None:
-        pass
+        """Nothing to release."""
 
 
 def _generate_on(device: torch.device, model: torch.nn.Module, prepared: _Prepared, params: SamplingParams,

@@ -1,0 +1,378 @@
+"""The on-disk format of a checkpoint: writing it atomically, reading and verifying it.
+
+A checkpoint is a directory ``checkpoint-N``::
+
+    checkpoint-N/
+      manifest.json                 format version, N, size + sha256 of every other file, and
+                                    the sha256 of the manifest itself
+      trainer_state.json            counters, data position, RNG states, tracker identity, config,
+                                    fingerprints, optimizer / scheduler hyper-state
+      rng.safetensors               torch CPU / CUDA generator states (every process's)
+      agent-0/model.safetensors     a trained module's weights (agent-i, critic-i, ...)
+      agent-0/optimizer.safetensors its optimizer's moments
+      ...
+
+Tensors live in safetensors and everything else in JSON, so loading never unpickles anything: a
+tampered checkpoint cannot run code. Every byte that resume reads is covered by a hash in the
+manifest, whose own hash it carries. A checkpoint is written into a hidden temporary sibling,
+fsynced, then renamed into place, so a crash at any instant leaves either no ``checkpoint-N`` or a
+complete one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import _remove_duplicate_names, load_file, load_model, save_file
+
+from .._io import fsync_dir, fsync_tree, move_into_place
+from ..exceptions import CheckpointError
+
+__all__ = ["FORMAT_VERSION", "STATE_FILE", "MANIFEST_FILE", "RNG_FILE", "Snapshot", "checkpoint_path",
+           "checkpoint_number", "list_checkpoints", "read_manifest", "read_state", "verify", "snapshot",
+           "write_checkpoint", "load_module", "load_optimizer", "load_tensors", "remove_checkpoints"]
+
+FORMAT_VERSION = 2
+STATE_FILE = "trainer_state.json"
+MANIFEST_FILE = "manifest.json"
+RNG_FILE = "rng.safetensors"
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+_SLOT = re.compile(r"^[a-z]+(-[a-z]+)*-\d+$")
+
+
+def checkpoint_path(directory: str | os.PathLike, number: int) -> Path:
+    return Path(directory) / f"checkpoint-{number}"
+
+
+def checkpoint_number(path: str | os.PathLike) -> int:
+    """N of a ``checkpoint-N`` directory."""
+    match = _NAME.match(Path(path).name)
+    if not match:
+        raise CheckpointError(f"{path} is not named checkpoint-N.")
+    return int(match.group(1))
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Committed ``checkpoint-N`` directories (holding a manifest), oldest first by N. Nothing is
+    verified here (see :func:`verify`)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for child in directory.iterdir():
+        match = _NAME.match(child.name)
+        if match and child.is_dir() and not child.is_symlink() and (child / MANIFEST_FILE).is_file():
+            found.append((int(match.group(1)), child))
+    return [path for _, path in sorted(found)]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The manifest of checkpoint ``path``, checked against its own hash, its version and its
+    directory's number."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist (or is not a directory).")
+    file = path / MANIFEST_FILE
+    if not file.is_file():
+        if (path / "training_state.pt").is_file():
+            raise CheckpointError(f"{path} was written by CoMLRL 1.4.3 (training_state.pt); it is read by "
+                                  "train(resume_from_checkpoint=...), not as a comlrl checkpoint.")
+        raise CheckpointError(f"{path} is not a complete comlrl checkpoint: {MANIFEST_FILE} is missing.")
+    try:
+        manifest = json.loads(file.read_bytes().decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} is corrupted ({exc}).") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), str):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} has no hash of its own.")
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    if hashlib.sha256(_canonical(body)).hexdigest() != manifest["sha256"]:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} does not match its own sha256 (corrupted or edited).")
+    if body.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path}: format_version {body.get('format_version')!r} is not "
+                              f"{FORMAT_VERSION}; it was written by another comlrl version.")
+    number = body.get("checkpoint")
+    named = _NAME.match(path.name)
+    if not isinstance(number, int) or isinstance(number, bool) or number < 1 or \
+            (named is not None and int(named.group(1)) != number):
+        raise CheckpointError(f"checkpoint {path}: its manifest says checkpoint {number!r}, its directory name "
+                              "another number (renamed or edited).")
+    files = body.get("files")
+    if not isinstance(files, dict) or STATE_FILE not in files or not all(
+            isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)
+            for info in files.values()):
+        raise CheckpointError(f"checkpoint {path}: the file list in {MANIFEST_FILE} is malformed.")
+    return body
+
+
+def verify(path: str | os.PathLike, expected: Optional[Iterable[str]] = None) -> dict[str, Any]:
+    """Check every file the manifest lists (size and sha256) and, given ``expected``, that exactly
+    those files are listed. Returns the manifest."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    files = manifest["files"]
+    if expected is not None:
+        verify_listing(path, expected, manifest)
+    root = path.resolve()
+    for rel, info in files.items():
+        target = (path / rel).resolve()
+        if root not in target.parents:
+            raise CheckpointError(f"checkpoint {path}: file entry {rel!r} points outside the checkpoint.")
+        if not target.is_file():
+            raise CheckpointError(f"checkpoint {path}: {rel} is missing.")
+        size = target.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(f"checkpoint {path}: {rel} has {size} bytes, expected {info['bytes']} "
+                                  "(truncated or replaced).")
+        if _sha256(target) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: {rel} does not match its recorded sha256 (corrupted or "
+                                  "tampered).")
+    return manifest
+
+
+def verify_listing(path: Path, expected: Iterable[str], manifest: Optional[dict[str, Any]] = None) -> None:
+    """The manifest lists exactly the ``expected`` files (and the state): a checkpoint's file list
+    is complete by construction, so dropping an entry cannot switch off a file's hash check."""
+    listed = set((manifest or read_manifest(path))["files"])
+    wanted = set(expected) | {STATE_FILE}
+    missing, extra = sorted(wanted - listed), sorted(listed - wanted)
+    if missing or extra:
+        raise CheckpointError(f"checkpoint {path} does not hold the files this trainer needs: missing "
+                              f"{missing or 'none'}, unexpected {extra or 'none'}.")
+
+
+def read_state(path: str | os.PathLike) -> dict[str, Any]:
+    """``trainer_state.json`` of a checkpoint, after checking it against the manifest's hash (no
+    tensor file is read)."""
+    path = Path(path)
+    info = read_manifest(path)["files"][STATE_FILE]
+    raw = (path / STATE_FILE).read_bytes() if (path / STATE_FILE).is_file() else None
+    if raw is None or len(raw) != info["bytes"] or hashlib.sha256(raw).hexdigest() != info["sha256"]:
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is missing or does not match its recorded sha256 "
+                              "(corrupted or edited).")
+    try:
+        state = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is corrupted ({exc}).") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is not a JSON object.")
+    return state
+
+
+# --- optimizer state ---------------------------------------------------------------------------
+
+def _split_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, per_param in state_dict["state"].items():
+        for key, value in per_param.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{index}.{key}"] = value.detach()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    meta = {"param_groups": state_dict["param_groups"], "scalars": scalars}
+    json.dumps(meta)  # fail here, at save time, on anything JSON cannot hold
+    return meta, tensors
+
+
+def _join_optimizer_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for name, tensor in tensors.items():
+        index, key = name.split(".", 1)
+        state.setdefault(int(index), {})[key] = tensor
+    for index, values in meta["scalars"].items():
+        state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+# --- save ------------------------------------------------------------------------------------------
+
+@dataclass
+class Snapshot:
+    """Everything a checkpoint will hold, copied out of the live training state.
+
+    Taking it is quick (tensor copies in memory); writing it (:func:`write_checkpoint`) is the slow
+    part and may run while training goes on, since nothing here changes when training does.
+    """
+
+    number: int
+    record: dict[str, Any]                                                      # trainer_state.json
+    files: dict[str, tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]]  # path -> (tensors, metadata)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for tensors, _ in self.files.values() for t in tensors.values())
+
+
+def _copies(tensors: Mapping[str, torch.Tensor], reuse: Optional[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU copies of ``tensors``, written into ``reuse``'s buffers where they fit
+    (no fresh allocation, hence no page faults, for every save of a run)."""
+    out = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach()
+        buffer = reuse.get(name) if reuse else None
+        if buffer is not None and buffer.shape == tensor.shape and buffer.dtype == tensor.dtype:
+            out[name] = buffer.copy_(tensor)
+        else:
+            out[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu").copy_(tensor)
+    return out
+
+
+def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]:
+    """The state dict with tied tensors listed once, as ``safetensors.torch.save_model`` writes it
+    (so ``load_model`` reads it back the same way), and the metadata naming the dropped aliases."""
+    state_dict = model.state_dict()
+    metadata: Optional[dict[str, str]] = None
+    for kept, removed in _remove_duplicate_names(state_dict).items():
+        for name in removed:
+            metadata = metadata or {}
+            metadata.setdefault(name, kept)
+            del state_dict[name]
+    return state_dict, metadata
+
+
+def snapshot(number: int, record: dict[str, Any], modules: Mapping[str, torch.nn.Module],
+             optimizers: Mapping[str, torch.optim.Optimizer], rng_tensors: Mapping[str, torch.Tensor],
+             reuse: Optional[Snapshot] = None) -> Snapshot:
+    """Copy what checkpoint ``number`` will hold.
+
+    Args:
+        record: the JSON state (counters, config, ...); optimizer hyper-state is added here.
+        modules: ``{slot: module}``, e.g. ``{"agent-0": model}``; weights go to ``slot/model.safetensors``.
+        optimizers: ``{slot: optimizer}``; moments go to ``slot/optimizer.safetensors``.
+        rng_tensors: generator states for ``rng.safetensors``.
+        reuse: an earlier snapshot whose files are written (or abandoned); its tensors are
+            overwritten and become this snapshot's, instead of allocating new ones.
+    """
+    record = json.loads(json.dumps(record, allow_nan=False))  # a frozen copy: the live state keeps changing
+    old = reuse.files if reuse is not None else {}
+    files: dict[str, tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]] = {
+        RNG_FILE: ({k: v.clone() for k, v in rng_tensors.items()}, None)}
+    for slot, module in modules.items():
+        if not _SLOT.match(slot):
+            raise ValueError(f"bad checkpoint slot name {slot!r}")
+        weights, metadata = _model_tensors(module)
+        name = f"{slot}/model.safetensors"
+        files[name] = (_copies(weights, old.get(name, ({}, None))[0]), metadata)
+    record["optimizers"] = {}
+    for slot, optimizer in optimizers.items():
+        meta, tensors = _split_optimizer_state(optimizer.state_dict())
+        name = f"{slot}/optimizer.safetensors"
+        files[name] = (_copies(tensors, old.get(name, ({}, None))[0]), None)
+        record["optimizers"][slot] = json.loads(json.dumps(meta))
+    return Snapshot(number, record, files)
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]]) -> None:
+    """One file of a checkpoint (a seam for the tests that kill a save half-way). ``save_file``
+    rather than serialising to bytes in Python: it holds the GIL for less of the time, which
+    matters when the write runs beside training."""
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def write_checkpoint(directory: str | os.PathLike, snap: Snapshot, name: Optional[str] = None) -> Path:
+    """Write ``snap`` as ``directory/checkpoint-N`` (or ``directory/name``) atomically and return
+    its path.
+
+    Files go into a hidden temporary directory and are hashed there; then the state, then the
+    manifest; all is fsynced and renamed into place. On any failure the temporary directory is
+    removed and an existing ``checkpoint-N`` is left as it was.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / name if name is not None else checkpoint_path(directory, snap.number)
+    tmp = directory / f".tmp-checkpoint-{snap.number}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        files = {}
+        for rel, (tensors, metadata) in snap.files.items():
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_tensors(target, tensors, metadata)
+            files[rel] = {"bytes": target.stat().st_size, "sha256": _sha256(target)}
+        state_bytes = json.dumps(snap.record, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
+        (tmp / STATE_FILE).write_bytes(state_bytes)
+        files[STATE_FILE] = {"bytes": len(state_bytes), "sha256": hashlib.sha256(state_bytes).hexdigest()}
+        body = {"format_version": FORMAT_VERSION, "checkpoint": snap.number, "files": dict(sorted(files.items()))}
+        manifest = {**body, "sha256": hashlib.sha256(_canonical(body)).hexdigest()}
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1, sort_keys=True), encoding="utf-8")
+        fsync_tree(tmp)
+        move_into_place(tmp, final)  # re-saving a number (resumed from an older checkpoint) swaps it
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+# --- load ----------------------------------------------------------------------------------------
+
+def _loading(path: Path, what: str):
+    """Turn a safetensors / torch error while loading ``what`` into a CheckpointError."""
+    class _Guard:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, exc, tb):
+            if exc is not None and isinstance(exc, (SafetensorError, RuntimeError, KeyError, ValueError, TypeError)) \
+                    and not isinstance(exc, CheckpointError):
+                raise CheckpointError(f"checkpoint {path}: {what} could not be loaded: {type(exc).__name__}: "
+                                      f"{exc}") from exc
+            return False
+    return _Guard()
+
+
+def load_module(path: Path, slot: str, module: torch.nn.Module) -> None:
+    """Load ``slot/model.safetensors`` into ``module`` in place (strict: every tensor must fit)."""
+    with _loading(path, f"{slot} weights"):
+        device = next(module.parameters()).device
+        missing, unexpected = load_model(module, str(path / slot / "model.safetensors"), strict=False,
+                                         device=str(device))
+        if missing or unexpected:
+            raise CheckpointError(f"checkpoint {path}: {slot} weights do not fit the model (missing "
+                                  f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}).")
+
+
+def load_optimizer(path: Path, slot: str, optimizer: torch.optim.Optimizer, meta: Any) -> None:
+    """Load ``slot/optimizer.safetensors`` with its JSON hyper-state ``meta`` into ``optimizer``."""
+    with _loading(path, f"{slot} optimizer state"):
+        if not isinstance(meta, dict) or not isinstance(meta.get("param_groups"), list) \
+                or not isinstance(meta.get("scalars"), dict):
+            raise CheckpointError(f"checkpoint {path}: optimizers[{slot!r}] is malformed.")
+        tensors = load_file(str(path / slot / "optimizer.safetensors"))
+        optimizer.load_state_dict(_join_optimizer_state(meta, tensors))
+
+
+def load_tensors(path: Path, rel: str) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file of the checkpoint (e.g. :data:`RNG_FILE`)."""
+    with _loading(path, rel):
+        return load_file(str(path / rel))
+
+
+def remove_checkpoints(paths: Iterable[Path]) -> None:
+    """Delete checkpoints; each is renamed to a hidden name first, so a crash mid-delete never
+    leaves a half-deleted ``checkpoint-N`` that looks usable."""
+    for path in paths:
+        trash = path.parent / f".old-{path.name}-{uuid.uuid4().hex[:8]}"
+        os.rename(path, trash)
+        fsync_dir(path.parent)
+        shutil.rmtree(trash, ignore_errors=True)

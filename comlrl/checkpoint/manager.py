@@ -1,0 +1,283 @@
+"""The one owner of a run's saved state: the checkpoint directory, writes, pruning and resume.
+
+:class:`CheckpointManager` holds an exclusive OS lock on the checkpoint directory for the whole
+run, writes checkpoints on one background thread (a failed write stops training at the next step
+boundary, naming the checkpoint), prunes only verified checkpoints of its own run, and loads a
+checkpoint back after checking every byte and field it trusts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+from ..exceptions import CheckpointDirError, CheckpointError, ResumeMismatchError
+from . import files
+from .fingerprint import compare_fingerprints
+from .lock import DirectoryLock
+from .rng import capture_rng_state, restore_rng_state
+from .state import validate_state
+
+__all__ = ["CheckpointManager", "Slots", "latest_checkpoint", "read_checkpoint"]
+
+logger = logging.getLogger("comlrl")
+
+# Keep the last snapshot's host-memory buffers for the next save up to this size (a fresh copy
+# each time page-faults its way in); larger states are copied afresh and released.
+REUSE_SNAPSHOT_BYTES = 2 * 2**30
+
+
+class Slots:
+    """The trained state of a run by checkpoint slot: ``modules[slot]``, ``optimizers[slot]``,
+    ``schedulers[slot]`` (e.g. ``"agent-0"``; actor-critic runs add ``"critic-0"``, ...)."""
+
+    def __init__(self, modules: Mapping[str, torch.nn.Module], optimizers: Mapping[str, torch.optim.Optimizer],
+                 schedulers: Mapping[str, Any]):
+        self.modules, self.optimizers, self.schedulers = dict(modules), dict(optimizers), dict(schedulers)
+
+    def expected_files(self) -> set[str]:
+        return ({files.RNG_FILE} | {f"{s}/model.safetensors" for s in self.modules}
+                | {f"{s}/optimizer.safetensors" for s in self.optimizers})
+
+
+def read_checkpoint(path: str | os.PathLike, expected: Optional[set[str]] = None) -> dict[str, Any]:
+    """Verify checkpoint ``path`` (every file's hash; exactly ``expected`` files if given) and
+    return its validated state."""
+    path = Path(path)
+    manifest = files.verify(path, expected)
+    return validate_state(files.read_state(path), path, manifest["checkpoint"])
+
+
+def latest_checkpoint(directory: str | os.PathLike, run_id: Optional[str] = None) -> Optional[Path]:
+    """The newest checkpoint in ``directory`` that verifies (of run ``run_id`` if given), or None:
+    a damaged or tampered newest checkpoint falls back to the one before it."""
+    for path in reversed(files.list_checkpoints(directory)):
+        try:
+            state = read_checkpoint(path)
+        except CheckpointError as exc:
+            logger.warning("comlrl: skipping %s: %s", path, exc)
+            continue
+        if run_id is None or state["run_id"] == run_id:
+            return path
+    return None
+
+
+def _state_of(path: Path) -> Optional[dict[str, Any]]:
+    """The validated state of ``path`` from its manifest and state file alone (no tensor hashing),
+    or None if those do not verify."""
+    try:
+        return validate_state(files.read_state(path), path, files.read_manifest(path)["checkpoint"])
+    except CheckpointError:
+        return None
+
+
+class CheckpointManager:
+    """Checkpoints of one run in one directory.
+
+    Args:
+        is_main: whether this process writes (rank 0 under torchrun; the others only take part
+            in :meth:`capture` and :meth:`load`).
+    """
+
+    def __init__(self, is_main: bool = True):
+        self.is_main = is_main
+        self.directory: Optional[Path] = None
+        self._lock: Optional[DirectoryLock] = None
+        self._writer: Optional[ThreadPoolExecutor] = None
+        self._pending: Optional[tuple[int, Future]] = None
+        self._last: Optional[files.Snapshot] = None
+
+    # --- the directory ----------------------------------------------------------------------
+    def open(self, directory: str | os.PathLike, run_id: str, resumed_number: Optional[int]) -> None:
+        """Take ``directory`` for this run: lock it, refuse another run's checkpoints, remove what
+        an interrupted earlier attempt of this run left (temporary files, checkpoints newer than
+        the one resumed from, which training redoes)."""
+        directory = Path(directory)
+        if self.directory == directory.resolve():
+            return
+        if self.directory is not None:
+            self.release()
+        if self.is_main:
+            self._lock = DirectoryLock(directory)
+            try:
+                self._claim(directory, run_id, resumed_number)
+            except BaseException:
+                self._lock.release()
+                self._lock = None
+                raise
+        self.directory = directory.resolve()
+
+    def _claim(self, directory: Path, run_id: str, resumed_number: Optional[int]) -> None:
+        newer = []
+        for existing in files.list_checkpoints(directory):
+            state = _state_of(existing)
+            if state is None or state["run_id"] != run_id:
+                raise CheckpointDirError(
+                    f"{directory} already holds {existing.name}, " + ("of another run" if state else
+                                                                      "which does not verify") +
+                    "; nothing was touched. Resume that run with resume_from_checkpoint=..., or use an empty "
+                    "checkpoint_dir.")
+            if resumed_number is not None and files.checkpoint_number(existing) > resumed_number:
+                newer.append(existing)
+        if newer:
+            logger.warning("comlrl: resuming from checkpoint-%d; removing the newer %s of the same run (training "
+                           "redoes them)", resumed_number, ", ".join(p.name for p in newer))
+            files.remove_checkpoints(newer)
+        for stale in list(directory.glob(".tmp-checkpoint-*")) + list(directory.glob(".old-checkpoint-*")):
+            shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted save or prune
+
+    def release(self) -> None:
+        """Wait for the pending write, then unlock the directory."""
+        try:
+            self.wait()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+            self.directory = None
+
+    # --- saving -------------------------------------------------------------------------------
+    def save(self, number: int, record: dict[str, Any], slots: Slots,
+             rng_states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]], limit: Optional[int],
+             run_id: str) -> Path:
+        """Copy the state now and write ``checkpoint-number`` on the writer thread (rank 0).
+
+        ``rng_states``: every process's :func:`capture_rng_state`, in rank order.
+        """
+        assert self.directory is not None, "open() the checkpoint directory first"
+        path = files.checkpoint_path(self.directory, number)
+        if not self.is_main:
+            return path
+        self.wait()  # checkpoints commit in order; an earlier failure surfaces here
+        snap = self._snapshot(number, record, slots, rng_states)
+        self._last = snap if snap.nbytes() <= REUSE_SNAPSHOT_BYTES else None
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="comlrl-checkpoint")
+        self._pending = (number, self._writer.submit(self._write, snap, limit, run_id))
+        return path
+
+    def _snapshot(self, number: int, record: dict[str, Any], slots: Slots,
+                  rng_states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> files.Snapshot:
+        record = dict(record, world_size=len(rng_states), rng=rng_states[0][0],
+                      rng_other_ranks=[json_part for json_part, _ in rng_states[1:]],
+                      schedulers={slot: s.state_dict() for slot, s in slots.schedulers.items()})
+        rng_tensors = dict(rng_states[0][1])
+        for rank, (_, tensors) in enumerate(rng_states[1:], start=1):
+            rng_tensors.update({f"rank{rank}/{k}": v for k, v in tensors.items()})
+        return files.snapshot(number, record, slots.modules, slots.optimizers, rng_tensors,
+                              reuse=self._last if self._pending is None else None)
+
+    def write_named(self, target: Path, number: int, record: dict[str, Any], slots: Slots,
+                    rng_states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> Path:
+        """Write a checkpoint now, synchronously, under any directory name (``save_checkpoint``)."""
+        target = Path(target)
+        if target.is_symlink() or (target.exists() and not (target / files.MANIFEST_FILE).is_file()):
+            raise CheckpointError(f"save_checkpoint: {target} exists and is not a checkpoint; nothing was written. "
+                                  "Choose a new directory.")
+        snap = self._snapshot(number, record, slots, rng_states)
+        return files.write_checkpoint(target.parent, snap, name=target.name)
+
+    def _write(self, snap: files.Snapshot, limit: Optional[int], run_id: str) -> Path:
+        """The slow half of a save, on the writer thread: files, fsync, rename, pruning."""
+        path = files.write_checkpoint(self.directory, snap)
+        if limit is not None:
+            self._prune(limit, run_id, keep=path)
+        logger.info("comlrl: saved %s (env_step %s)", path, snap.record["counters"]["env_step"])
+        return path
+
+    def _prune(self, limit: int, run_id: str, keep: Path) -> None:
+        """Delete all but the newest ``limit`` checkpoints of this run, judged by verified state."""
+        mine = [p for p in files.list_checkpoints(self.directory)
+                if p != keep and (state := _state_of(p)) is not None and state["run_id"] == run_id]
+        doomed = mine[: max(0, len(mine) - (limit - 1))]
+        files.remove_checkpoints(doomed)
+
+    def failed(self) -> Optional[CheckpointError]:
+        """The error of a finished write that failed (then cleared), else None: checked at every
+        step boundary, so that a full disk stops the run at the next step, not a save later."""
+        if self._pending is None or not self._pending[1].done():
+            return None
+        return self._collect()
+
+    def _collect(self) -> Optional[CheckpointError]:
+        number, future = self._pending  # type: ignore[misc]
+        self._pending = None
+        exc = future.exception()
+        if exc is None:
+            return None
+        error = CheckpointError(f"writing checkpoint-{number} in {self.directory} failed: {type(exc).__name__}: "
+                                f"{exc}. The previous checkpoint is intact; free space (a save needs about the "
+                                "size of one checkpoint, temporarily twice when re-saving a number) and resume.")
+        error.__cause__ = exc
+        return error
+
+    def wait(self) -> None:
+        """Block until the pending write (if any) is committed; raise its error."""
+        if self._pending is None:
+            return
+        wait_for([self._pending[1]])  # Ctrl-C here leaves the write pending, drained by close()
+        error = self._collect()
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Finish the pending write, stop the writer thread and unlock the directory."""
+        try:
+            self.release()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
+                self._writer = None
+            self._last = None
+
+    # --- resuming -------------------------------------------------------------------------------
+    def load(self, path: str | os.PathLike, slots: Slots, fingerprints: Mapping[str, Any],
+             saved_fingerprints: Callable[[dict[str, Any]], dict[str, Any]] = lambda s: s["fingerprints"],
+             rank: int = 0) -> dict[str, Any]:
+        """Verify ``path``, check that it belongs to a run set up like this one, and load every
+        slot, the schedulers and this process's random states. Returns the validated state."""
+        path = Path(path)
+        state = read_checkpoint(path)
+        differences = compare_fingerprints(saved_fingerprints(state), dict(fingerprints))
+        if differences:
+            raise ResumeMismatchError(str(path), differences)
+        files.verify_listing(path, slots.expected_files())
+        if set(state["optimizers"]) != set(slots.optimizers) or set(state["schedulers"]) != set(slots.schedulers):
+            raise CheckpointError(f"checkpoint {path}: its optimizer / scheduler slots "
+                                  f"{sorted(state['optimizers'])} do not match this trainer's {sorted(slots.optimizers)}.")
+        for slot, module in slots.modules.items():
+            files.load_module(path, slot, module)
+        for slot, optimizer in slots.optimizers.items():
+            files.load_optimizer(path, slot, optimizer, state["optimizers"][slot])
+        for slot, scheduler in slots.schedulers.items():
+            try:
+                scheduler.load_state_dict(state["schedulers"][slot])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise CheckpointError(f"checkpoint {path}: schedulers[{slot!r}] is malformed ({exc}).") from None
+        self._restore_rng(path, state, rank)
+        return state
+
+    @staticmethod
+    def _restore_rng(path: Path, state: dict[str, Any], rank: int) -> None:
+        tensors = files.load_tensors(path, files.RNG_FILE)
+        try:
+            if 0 < rank < state["world_size"]:
+                prefix = f"rank{rank}/"
+                restore_rng_state(state["rng_other_ranks"][rank - 1],
+                                  {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+            else:
+                restore_rng_state(state["rng"], {k: v for k, v in tensors.items() if "/" not in k})
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"checkpoint {path}: its random states are malformed ({type(exc).__name__}: "
+                                  f"{exc}).") from None
+
+    @staticmethod
+    def capture_rng() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return capture_rng_state()

@@ -1,0 +1,90 @@
+"""What ``trainer_state.json`` must hold: every field a resume trusts, checked for type and range.
+
+The state's bytes are covered by the manifest's hash (:mod:`comlrl.checkpoint.files`); this module
+checks that what was hashed is also well-formed, so that an edited or hand-made checkpoint raises
+:class:`CheckpointError` naming the field instead of training on wrong counters (or deleting files
+on the word of a wrong number).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+from ..exceptions import CheckpointError
+from ..tracking.wandb import check_identity
+
+__all__ = ["COUNTERS", "validate_state", "counters_of"]
+
+COUNTERS = ("epoch", "items_in_epoch", "global_step", "env_step", "checkpoint", "last_logged_env_step")
+_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
+
+
+def _int(minimum: int) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+def _is_dict(v: Any) -> bool:
+    return isinstance(v, dict)
+
+
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "run_id": (lambda v: isinstance(v, str) and bool(_RUN_ID.match(v)), "32 lowercase hex digits"),
+    "trainer": (lambda v: isinstance(v, str) and 0 < len(v) < 200, "a trainer class name"),
+    "counters": (_is_dict, "an object of counters"),
+    "log_window": (lambda v: _is_dict(v) and _is_dict(v.get("sums")) and _is_dict(v.get("counts")),
+                   "an object with 'sums' and 'counts'"),
+    "num_train_epochs": (_int(1), "an int >= 1"),
+    "config": (_is_dict, "an object"),
+    "fingerprints": (_is_dict, "an object"),
+    "comlrl_version": (lambda v: isinstance(v, str), "a string"),
+    "world_size": (_int(1), "an int >= 1"),
+    "rng": (lambda v: _is_dict(v) and isinstance(v.get("python"), list) and isinstance(v.get("numpy"), list),
+            "an object with 'python' and 'numpy' states"),
+    "rng_other_ranks": (lambda v: isinstance(v, list) and all(_is_dict(r) for r in v), "a list of objects"),
+    "optimizers": (_is_dict, "an object"),
+    "schedulers": (_is_dict, "an object"),
+    "algorithm": (_is_dict, "an object"),
+}
+
+
+def validate_state(state: dict[str, Any], path: Path, number: int) -> dict[str, Any]:
+    """Check every field of a checkpoint's state; returns it (with a validated W&B identity).
+
+    Raises:
+        CheckpointError: naming the checkpoint and the first field that is missing or malformed.
+    """
+    for name, (ok, what) in _FIELDS.items():
+        if name not in state:
+            raise CheckpointError(f"checkpoint {path}: {name!r} is missing from its state.")
+        if not ok(state[name]):
+            raise CheckpointError(f"checkpoint {path}: {name!r} must be {what}, got {state[name]!r:.80}.")
+    counters = state["counters"]
+    for name in COUNTERS:
+        value = counters.get(name)
+        if not _int(-1 if name == "last_logged_env_step" else 0)(value):
+            raise CheckpointError(f"checkpoint {path}: counter {name!r} must be a non-negative int, got {value!r}.")
+    if counters["checkpoint"] != number:
+        raise CheckpointError(f"checkpoint {path}: its state says checkpoint {counters['checkpoint']}, its directory "
+                              f"{number} (renamed or edited).")
+    if counters["epoch"] > state["num_train_epochs"]:
+        raise CheckpointError(f"checkpoint {path}: epoch {counters['epoch']} is beyond num_train_epochs "
+                              f"{state['num_train_epochs']}.")
+    if counters["last_logged_env_step"] > counters["env_step"]:
+        raise CheckpointError(f"checkpoint {path}: last_logged_env_step is beyond env_step.")
+    window = state["log_window"]
+    if not all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+               for k, v in window["sums"].items()) or \
+            not all(isinstance(k, str) and _int(1)(v) for k, v in window["counts"].items()) or \
+            set(window["sums"]) != set(window["counts"]):
+        raise CheckpointError(f"checkpoint {path}: 'log_window' is malformed.")
+    if len(state["rng_other_ranks"]) != state["world_size"] - 1:
+        raise CheckpointError(f"checkpoint {path}: 'rng_other_ranks' does not match world_size.")
+    state["wandb"] = check_identity(state.get("wandb"), f"checkpoint {path}")
+    return state
+
+
+def counters_of(state: dict[str, Any]) -> dict[str, int]:
+    """The run counters of a validated state."""
+    return {name: int(state["counters"][name]) for name in COUNTERS}

@@ -1,0 +1,185 @@
+"""The machinery every trainer config is built with: declared fields, checks, clear errors.
+
+A config is a dataclass whose fields are declared with :func:`setting`, each with a one-line doc,
+a check, and whether it may change when a run is resumed. Every check runs when the config is
+built, every single-field check again when a field is assigned later (CoMLRL's configs are plain
+mutable dataclasses, so ours are too), and the cross-field checks (:meth:`Config.validate`) when
+the config is built and when a trainer starts. Any failure is a :class:`ConfigError` that names
+the field and says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+from typing import Any, Callable, Iterable, Optional
+
+from ..exceptions import ConfigError
+
+__all__ = ["Config", "config_class", "setting", "check_int", "check_float", "check_bool", "check_choice",
+           "optional", "resumable_fields"]
+
+Check = Callable[[str, Any], Any]
+
+# Names users of other libraries type, mapped to ours, for the "unknown field" message.
+ALIASES = {
+    "learning_rate": "agent_learning_rate",
+    "lr": "agent_learning_rate",
+    "per_device_train_batch_size": "train_batch_size",
+    "batch_size": "train_batch_size",
+    "num_epochs": "num_train_epochs",
+    "epochs": "num_train_epochs",
+    "grad_clip": "max_grad_norm",
+    "max_completion_length": "max_new_tokens",
+    "scale_rewards": "advantage_normalization",
+    "group_size": "num_generations",
+    "beta": "reference_kl_coef",
+    "kl_coef": "reference_kl_coef",
+    "bf16": "mixed_precision",
+    "fp16": "mixed_precision",
+    "termination_threshold": "early_termination_threshold",
+    "device": "agent_devices",
+    "gradient_accumulation_steps": "micro_batch_size",
+}
+
+
+def setting(default: Any, doc: str, check: Optional[Check] = None, may_change: bool = False) -> Any:
+    """Declare a config field: its default, a one-line doc, an optional check (``check(name, value)``
+    returns the value, possibly normalised, or raises ConfigError) and whether it may differ
+    between a checkpoint and the run that resumes it."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "check": check, "may_change_on_resume": may_change})
+
+
+# --- reusable checks ------------------------------------------------------------------------------
+
+def check_int(minimum: int, maximum: Optional[int] = None) -> Check:
+    def check(name: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum or \
+                (maximum is not None and value > maximum):
+            bound = f">= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+            raise ConfigError(f"{name} must be an int {bound}, got {value!r}. Change {name}.")
+        return value
+    return check
+
+
+def check_float(ok: Callable[[float], bool], what: str) -> Check:
+    def check(name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+            raise ConfigError(f"{name} must be a number {what}, got {value!r}. Change {name}.")
+        return float(value) if isinstance(value, float) else value
+    return check
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {value!r}.")
+    return value
+
+
+def check_choice(*choices: str, aliases: Optional[dict[str, str]] = None) -> Check:
+    def check(name: str, value: Any) -> str:
+        key = value.strip().lower() if isinstance(value, str) else value
+        key = (aliases or {}).get(key, key)
+        if key not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")
+        return key
+    return check
+
+
+def check_str(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{name} must be a non-empty string, got {value!r}.")
+    return value
+
+
+def optional(inner: Check) -> Check:
+    """``inner``, or None."""
+    def check(name: str, value: Any) -> Any:
+        return None if value is None else inner(name, value)
+    return check
+
+
+# --- the base class ---------------------------------------------------------------------------
+
+class Config:
+    """Base of every trainer config (use with :func:`config_class`)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, self._checked(f, getattr(self, f.name)))
+        self.validate()
+        object.__setattr__(self, "_ready", True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if getattr(self, "_ready", False):
+            fields = {f.name: f for f in dataclasses.fields(self)}
+            if name not in fields:
+                raise ConfigError(_unknown_message(type(self), [name]))
+            value = self._checked(fields[name], value)
+        object.__setattr__(self, name, value)
+
+    @staticmethod
+    def _checked(f: dataclasses.Field, value: Any) -> Any:
+        check = f.metadata.get("check")
+        return check(f.name, value) if check is not None else value
+
+    def validate(self) -> None:
+        """Cross-field invariants; subclasses extend it (and call ``super().validate()``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a JSON-ready dict (tuples become lists)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "Config":
+        """Build from a dict (e.g. a checkpoint's saved config); unknown keys raise ConfigError."""
+        return cls(**values)
+
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """``{field: one-line doc}``, for help texts (CLI, docs)."""
+        return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(cls)}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+def _unknown_message(cls: type, unknown: Iterable[str]) -> str:
+    names = [f.name for f in dataclasses.fields(cls)]
+    hints = []
+    for key in unknown:
+        guess = ALIASES.get(key) if ALIASES.get(key) in names else None
+        guess = guess or next(iter(difflib.get_close_matches(key, names, n=1)), None)
+        hints.append(f"{key!r}" + (f" (did you mean {guess!r}?)" if guess else ""))
+    return f"{cls.__name__} has no field {', '.join(hints)}. Known fields: {', '.join(names)}."
+
+
+def config_class(cls: type) -> type:
+    """``@dataclass`` plus an ``__init__`` that names the closest real field for a misspelt one."""
+    cls = dataclasses.dataclass(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        unknown = [k for k in kwargs if k not in names]
+        if unknown:
+            raise ConfigError(_unknown_message(cls, unknown))
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+def resumable_fields(cls: type) -> frozenset[str]:
+    """Fields that may differ between a checkpoint and the run resuming it."""
+    return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("may_change_on_resume"))

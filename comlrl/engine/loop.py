@@ -1,0 +1,188 @@
+"""The epoch loop of ``train()``: buffers of prompts, evaluation cadence, logging at ``env_step``,
+checkpoint triggers. The algorithm of a buffer is the trainer family's
+(:meth:`comlrl.engine.trainer.Trainer._train_buffer`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+from . import distributed as dist
+from ..tracking import JsonlSink
+from .timing import PhaseTimer
+
+if TYPE_CHECKING:
+    from .trainer import Trainer
+
+__all__ = ["RunLoop"]
+
+logger = logging.getLogger("comlrl")
+
+
+def _is_train_row(row: dict[str, Any]) -> bool:
+    return not any(k.startswith("eval/") for k in row)
+
+
+class RunLoop:
+    """One call of ``train()``: opens the checkpoint directory and trackers, trains, closes them."""
+
+    def __init__(self, trainer: "Trainer", checkpoint_dir: Optional[os.PathLike], interval: int,
+                 limit: Optional[int], save_steps: Optional[int], resumed_number: Optional[int], continuing: bool):
+        self.t, self.args = trainer, trainer.args
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.interval, self.limit, self.save_steps = interval, limit, save_steps
+        self.resumed_number, self.continuing = resumed_number, continuing
+        self.jsonl: Optional[JsonlSink] = None
+        self.wandb = None
+        self.last: dict[str, float] = {}
+
+    # --- opening and closing --------------------------------------------------------------
+    @contextlib.contextmanager
+    def _opened(self) -> Iterator[None]:
+        t = self.t
+        try:
+            if self.checkpoint_dir is not None:
+                dist.main_process_first_result(
+                    lambda: t.checkpoints.open(self.checkpoint_dir, t.run_id, self.resumed_number), t.dist)
+            dist.main_process_first_result(self._open_sinks, t.dist)  # a failure stops every rank
+            yield
+            dist.main_process_first_result(t.checkpoints.wait, t.dist)  # the last checkpoint is on disk
+        finally:
+            self._close()
+
+    def _open_sinks(self) -> None:
+        t = self.t
+        folder = self.checkpoint_dir if self.checkpoint_dir is not None else Path(self.args.output_dir)
+        keep = t.state.env_step if self.continuing else None
+        self.jsonl = JsonlSink(folder / "metrics.jsonl", run_id=t.run_id, keep_until_step=keep,
+                               keep_at_boundary=_is_train_row)
+        self.wandb = t._open_wandb(resumed=self.continuing)
+
+    def _close(self) -> None:
+        t = self.t
+        try:
+            if t.dist.is_main:
+                try:
+                    t.checkpoints.release()
+                except Exception:  # already failing: log the write's error rather than hide the first one
+                    logger.exception("comlrl: writing the last checkpoint failed")
+        finally:
+            if self.jsonl is not None:
+                self.jsonl.close()
+            if self.wandb is not None:
+                self.wandb.close()
+
+    # --- the loop ----------------------------------------------------------------------------
+    def run(self) -> dict[str, float]:
+        t, total = self.t, self.args.num_train_epochs
+        if t.state.epoch >= total:
+            logger.warning("comlrl: %d epoch(s) are already complete and num_train_epochs=%d; nothing to train. "
+                           "Raise num_train_epochs to continue the run.", t.state.epoch, total)
+            return {}
+        with self._opened(), self._progress() as progress:
+            while t.state.epoch < total:
+                self._epoch(progress)
+        return self.last
+
+    def _epoch(self, progress: Any) -> None:
+        t = self.t
+        epoch, order = t.state.epoch, t.epoch_order(t.state.epoch)
+        while t.state.items_in_epoch < len(order):
+            failure = t.checkpoints.failed() if t.dist.is_main else None
+            dist.main_process_first_result(lambda: _raise(failure), t.dist)
+            start = t.state.items_in_epoch
+            indices = order[start:start + self.args.rollout_buffer_size]
+            self._evaluate_if_due(start, len(indices), len(order))
+            steps_before = t.state.global_step
+            timer = PhaseTimer(t.device)
+            metrics = t._train_buffer(indices, epoch, timer)
+            metrics.update(timer.metrics())
+            t.state.items_in_epoch += len(indices)
+            done = t.state.items_in_epoch == len(order)
+            if done:
+                t.state.epoch, t.state.items_in_epoch = epoch + 1, 0
+            self._log(metrics, epoch + (start + len(indices)) / len(order), flush=done)
+            progress.update(t.state.global_step - steps_before)
+            progress.set_postfix(epoch=epoch + 1, reward=f"{metrics.get('train/reward_mean', math.nan):.3f}")
+            self._checkpoint_if_due(done, steps_before)
+            if done:
+                return
+
+    def _evaluate_if_due(self, start: int, count: int, size: int) -> None:
+        """CoMLRL's cadence: before training prompt i of an epoch when ``i % eval_interval == 0``."""
+        every = self.args.eval_interval
+        if not every or self.t.eval_dataset is None or -(-start // every) * every >= start + count:
+            return
+        timer = PhaseTimer(self.t.device)
+        with timer("eval"):
+            evaluation = self.t.evaluate()
+        evaluation.update(timer.metrics())
+        self._write_row({**evaluation, "epoch": round(self.t.state.epoch + start / size, 6)})
+
+    def _log(self, metrics: dict[str, float], epoch: float, flush: bool) -> None:
+        """Add a buffer's metrics to the window; write a row once ``env_step`` has moved
+        ``logging_steps`` past the last one (CoMLRL's cadence; the first row always), and at the end
+        of every epoch (so the last steps of a run are never left unlogged)."""
+        state = self.t.state
+        state.window.add(metrics)
+        last = state.last_logged_env_step
+        if not flush and last >= 0 and state.env_step - last < self.args.logging_steps:
+            return
+        row = state.window.means()
+        for key in ("train/reward_min", "train/reward_max"):  # extremes stay extremes (last buffer's)
+            if key in metrics:
+                row[key] = metrics[key]
+        state.window.clear()
+        state.last_logged_env_step = state.env_step
+        self.last = self._write_row({**row, "epoch": round(epoch, 6)})
+
+    def _write_row(self, row: dict[str, float]) -> dict[str, float]:
+        t = self.t
+        row = {**row, "env_step": t.state.env_step, "global_step": t.state.global_step}
+        if self.jsonl is not None:
+            self.jsonl.log(row)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "env_step"}, step=t.state.env_step)
+        return row
+
+    def _checkpoint_if_due(self, epoch_done: bool, steps_before: int) -> None:
+        t = self.t
+        if self.checkpoint_dir is None:
+            return
+        due = epoch_done and (t.state.epoch % self.interval == 0 or t.state.epoch == self.args.num_train_epochs)
+        if self.save_steps is not None and not epoch_done:
+            due = t.state.global_step // self.save_steps > steps_before // self.save_steps
+        if not due:
+            return
+        if self.jsonl is not None:
+            self.jsonl.sync()  # the rows up to this checkpoint survive a power cut
+        timer = PhaseTimer(t.device)
+        with timer("checkpoint"):
+            t._save(t.state.checkpoint + 1, self.limit)
+        # Its cost (copying the state; the files are written in the background) goes in the next row.
+        t.state.window.add(timer.metrics())
+
+    @contextlib.contextmanager
+    def _progress(self) -> Iterator[Any]:
+        from tqdm.auto import tqdm
+
+        t = self.t
+        size, batch = len(t.epoch_order(0)), self.args.rollout_buffer_size
+        per_epoch = sum(math.ceil(min(batch, size - s) / self.args.train_batch_size) for s in range(0, size, batch))
+        disable = not t.verbose or not t.dist.is_main or os.environ.get("COMLRL_DISABLE_PROGRESS") == "1"
+        bar = tqdm(total=self.args.num_train_epochs * per_epoch, initial=t.state.global_step, desc=t.algorithm_name,
+                   unit="step", dynamic_ncols=True, disable=disable)
+        try:
+            yield bar
+        finally:
+            bar.close()
+
+
+def _raise(error: Optional[BaseException]) -> None:
+    if error is not None:
+        raise error

@@ -1,0 +1,56 @@
+"""The counters of a run and the metrics window between two logged rows: saved in every checkpoint."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+__all__ = ["TrainState", "LogWindow"]
+
+
+@dataclass
+class LogWindow:
+    """Sums of every metric since the last logged row, and how many steps reported each."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, metrics: Mapping[str, float]) -> None:
+        for key, value in metrics.items():
+            self.sums[key] = self.sums.get(key, 0.0) + float(value)
+            self.counts[key] = self.counts.get(key, 0) + 1
+
+    def means(self) -> dict[str, float]:
+        return {key: value / self.counts[key] for key, value in sorted(self.sums.items())}
+
+    def clear(self) -> None:
+        self.sums, self.counts = {}, {}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sums": dict(self.sums), "counts": dict(self.counts)}
+
+
+@dataclass
+class TrainState:
+    """Where a run stands. ``items_in_epoch`` counts the prompts of the current epoch already
+    trained on (a buffer is trained on whole, so a checkpoint always falls between buffers)."""
+
+    epoch: int = 0                 # completed epochs
+    items_in_epoch: int = 0        # prompts of the current epoch done
+    global_step: int = 0           # optimizer steps taken
+    env_step: int = 0              # joint actions scored
+    checkpoint: int = 0            # number of the last checkpoint saved
+    last_logged_env_step: int = -1  # env_step of the last logged row (-1: none yet)
+    window: LogWindow = field(default_factory=LogWindow)
+
+    def counters(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "items_in_epoch": self.items_in_epoch, "global_step": self.global_step,
+                "env_step": self.env_step, "checkpoint": self.checkpoint,
+                "last_logged_env_step": self.last_logged_env_step}
+
+    @classmethod
+    def restore(cls, counters: Mapping[str, int], window: Optional[Mapping[str, Any]] = None) -> "TrainState":
+        state = cls(**{k: int(v) for k, v in counters.items()})
+        if window:
+            state.window = LogWindow(dict(window["sums"]), dict(window["counts"]))
+        return state

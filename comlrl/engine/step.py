@@ -1,0 +1,168 @@
+"""The update phase, shared by the trainer families: an agent's rows gathered from the episode
+tree, its policy loss back-propagated in micro-batches that add up to the loss of the whole
+optimizer step (on every process together), and the optimizer step itself, refused when any
+gradient is not finite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..exceptions import TrainingError
+from ..functional.logprobs import sequence_log_probs
+from ..functional.losses import loss_denominator, policy_gradient_loss, sequence_kl
+from ..rollout import Rollout
+from . import distributed as dist
+
+__all__ = ["AgentRows", "concat_rollouts", "select_rows", "policy_backward", "step_denominator", "apply_gradients",
+           "StepLoss"]
+
+
+def select_rows(ro: Rollout, rows: torch.Tensor) -> Rollout:
+    """The rows ``rows`` (int64 ``[R']``) of a rollout."""
+    idx = rows.to(ro.prompt_ids.device)
+    return Rollout(ro.prompt_ids[idx], ro.prompt_mask[idx], ro.completion_ids[idx], ro.completion_mask[idx],
+                   ro.group_ids[idx], [ro.texts[int(i)] for i in rows.tolist()])
+
+
+def concat_rollouts(parts: Sequence[Rollout], pad_token_id: int) -> Rollout:
+    """Rows of several rollouts in one batch: prompts re-left-padded, completions re-right-padded
+    to the widest (padding is masked out, so every row's log-probs are unchanged)."""
+    if len(parts) == 1:
+        return parts[0]
+    width_p = max(p.prompt_ids.shape[1] for p in parts)
+    width_c = max(p.completion_ids.shape[1] for p in parts)
+
+    def pad(t: torch.Tensor, width: int, left: bool, value: int) -> torch.Tensor:
+        extra = width - t.shape[1]
+        if extra == 0:
+            return t
+        filler = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
+        return torch.cat([filler, t] if left else [t, filler], dim=1)
+
+    return Rollout(torch.cat([pad(p.prompt_ids, width_p, True, pad_token_id) for p in parts]),
+                   torch.cat([pad(p.prompt_mask, width_p, True, 0) for p in parts]),
+                   torch.cat([pad(p.completion_ids, width_c, False, pad_token_id) for p in parts]),
+                   torch.cat([pad(p.completion_mask, width_c, False, 0) for p in parts]),
+                   torch.cat([p.group_ids for p in parts]), [t for p in parts for t in p.texts])
+
+
+@dataclass
+class AgentRows:
+    """One agent's completions for the nodes of one optimizer step, and what its loss needs."""
+
+    rollout: Rollout        # [R] rows, node-major, K rows per node
+    returns: torch.Tensor   # [R] float64 return of each completion
+    groups: torch.Tensor    # [R] int64 node of each row, 0 .. nodes-1
+
+    @property
+    def num_groups(self) -> int:
+        return int(self.groups.max()) + 1 if len(self.groups) else 0
+
+    def micro_batches(self, max_groups: Optional[int]) -> list["AgentRows"]:
+        """Pieces of at most ``max_groups`` whole nodes (a node's K rows stay together: its
+        advantages compare them)."""
+        count = self.num_groups
+        if max_groups is None or count <= max_groups:
+            return [self]
+        out = []
+        for start in range(0, count, max_groups):
+            keep = ((self.groups >= start) & (self.groups < start + max_groups)).nonzero().squeeze(1)
+            out.append(AgentRows(select_rows(self.rollout, keep), self.returns[keep], self.groups[keep] - start))
+        return out
+
+
+@dataclass
+class StepLoss:
+    """What one agent's backward reports: its loss on this process's rows (already divided by the
+    step's global denominator, so processes' values add up) and the mean KL of its rows."""
+
+    loss: float = 0.0
+    kl_sum: float = 0.0
+    rows: int = 0
+
+
+AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (returns [R], groups [R]) -> [R]
+
+
+def policy_backward(model: torch.nn.Module, rows: AgentRows, advantages: AdvantageFn, *, temperature: float,
+                    loss_type: str, max_new_tokens: int, denominator: float, micro_groups: Optional[int],
+                    reference: Optional[Callable[[Rollout], torch.Tensor]] = None, kl_coef: float = 0.0,
+                    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                    ) -> StepLoss:
+    """Back-propagate an agent's policy-gradient loss over ``rows``, micro-batch by micro-batch.
+
+    Per micro-batch: one padded forward for the rows' log-probs; with a ``reference`` (a function
+    giving the reference policy's log-probs of the same rows) each completion's return is reduced
+    by ``kl_coef`` times its KL to the reference (the log-ratio estimate: see
+    :func:`comlrl.functional.losses.sequence_kl`; no gradient through it); the
+    advantages; the loss ``token_sum / denominator``, where ``denominator`` is that of the whole
+    optimizer step on all processes; backward.
+    """
+    out = StepLoss()
+    # Eval mode, as during sampling: the gradient must be that of the policy that sampled
+    # (dropout would make it another policy's, biasing the ratio-1 on-policy loss).
+    model.eval()
+    for piece in rows.micro_batches(micro_groups):
+        ro = piece.rollout
+        with autocast():
+            logp = sequence_log_probs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, temperature)
+        returns = piece.returns
+        if reference is not None:
+            kl = sequence_kl(logp, reference(ro), ro.completion_mask).cpu()
+            returns = returns - kl_coef * kl
+            out.kl_sum += float(kl.sum())
+        adv = advantages(returns, piece.groups)
+        loss = policy_gradient_loss(logp, adv.to(logp.device), ro.completion_mask, loss_type, max_new_tokens,
+                                    denominator=denominator)
+        loss.backward()
+        out.loss += float(loss.detach())
+        out.rows += len(piece.returns)
+    return out
+
+
+def step_denominator(rows: Optional[AgentRows], loss_type: str, max_new_tokens: int, ctx: dist.DistContext) -> float:
+    """The loss denominator of an optimizer step over every process's rows (see
+    :func:`comlrl.functional.losses.loss_denominator`); ``rows`` None: this process has none."""
+    local = loss_denominator(rows.rollout.completion_mask, loss_type, max_new_tokens) if rows is not None else 0.0
+    return dist.all_reduce_sum([local], ctx)[0]
+
+
+def apply_gradients(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                    schedulers: Sequence, max_grad_norm: Optional[float], ctx: dist.DistContext,
+                    nonfinite: str, where: str) -> Optional[list[float]]:
+    """Sum gradients over processes, check them, then clip, step and zero every model.
+
+    Returns the pre-clip gradient norms, or None if the step was skipped (``nonfinite="skip"``
+    and some gradient was not finite: every gradient is discarded, no weight changes).
+
+    Raises:
+        TrainingError: a gradient is not finite and ``nonfinite="raise"``; nothing was applied.
+    """
+    norms = []
+    for model in models:
+        dist.all_reduce_gradients(list(model.parameters()), ctx)
+        params = [p for p in model.parameters() if p.grad is not None]
+        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params])) if params else 0.0)
+    bad = [i for i, n in enumerate(norms) if not math.isfinite(n)]
+    if bad:
+        for opt in optimizers:
+            opt.zero_grad(set_to_none=True)
+        if nonfinite == "skip":
+            return None
+        raise TrainingError(f"{where}: the gradient of model {bad[0]} is not finite (norm {norms[bad[0]]}); nothing "
+                            "was applied and nothing non-finite was saved. Lower the learning rate or check the "
+                            "rewards, or set nonfinite='skip' to drop such steps.")
+    for model, opt, sched, norm in zip(models, optimizers, schedulers, norms):
+        params = [p for p in model.parameters() if p.grad is not None]
+        if max_grad_norm is not None and params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, torch.tensor(norm))
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return norms

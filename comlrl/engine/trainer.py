@@ -1,0 +1,595 @@
+"""The engine every trainer family runs on: inputs, the epoch loop, evaluation, checkpoints.
+
+A family subclasses :class:`Trainer` and supplies its algorithm: :meth:`Trainer._train_buffer`
+(the phases of its optimizer steps on one buffer of prompts) and, when it trains more than the
+agents, :meth:`Trainer._slots`. Everything else (data order, evaluation cadence, logging at
+``env_step``, checkpoint triggers, resume, locking, trackers) is here, once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .._io import fsync_tree, move_into_place
+from ..checkpoint.fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint,
+                                      model_fingerprint, tokenizer_fingerprint)
+from ..checkpoint.manager import CheckpointManager, Slots
+from ..exceptions import ConfigError, TrainingError
+from ..rollout import SamplingParams, make_backend
+from ..tracking import JsonlSink, WandbSink, check_wandb_config
+from ..tracking.wandb import verbose_from_wandb_config
+from . import distributed as dist
+from .collect import Collector, PromptBatch, eval_seeds
+from .config import resumable_fields
+from .episode import ExternalTransition
+from .inputs import agent_count, check_tokenizers_usable, frozen_copies, resolve_agents
+from .loop import RunLoop
+from .metrics import episode_metrics, merge_records, record_turns
+from .prompts import PromptTable, build_formatter_list
+from .rewards import RewardFunction
+from .settings import TrainerConfig
+from .state import TrainState
+from .timing import PhaseTimer
+
+__all__ = ["Trainer"]
+
+logger = logging.getLogger("comlrl")
+
+
+class Trainer:
+    """Base of every trainer (see the module docstring). Not used directly."""
+
+    config_class: type[TrainerConfig] = TrainerConfig
+    algorithm_name = "Trainer"
+
+    def __init__(self, *, args: Optional[TrainerConfig], agent_model: Any, agents: Optional[Sequence[Any]],
+                 num_agents: Optional[int], tokenizer: Any, model_config: Optional[Mapping[str, Any]],
+                 train_dataset: Any, eval_dataset: Any, reward_func: Any, reward_processor: Any, formatters: Any,
+                 external_transition: Any, wandb_config: Optional[Mapping[str, Any]], eval_logger: Any,
+                 eval_aggregator: Any, peft_config: Any = None):
+        self.args = self._check_args(args)
+        self.wandb_config = check_wandb_config(wandb_config)
+        if not callable(reward_func):
+            raise ConfigError("reward_func must be a callable: f(completions1, ..., completionsN) -> list of floats.")
+        count = agent_count(agent_model, agents, num_agents, self.args.num_agents)
+        if self.args.num_turns > 1 and external_transition is None:
+            raise ConfigError(f"num_turns={self.args.num_turns} needs an external_transition(prompt=..., "
+                              "agent_completions=..., num_agents=...) returning the agents' next prompts; pass one "
+                              "or set num_turns=1.")
+        self.model_config = dict(model_config or {})
+        self.dist = dist.init_distributed(use_cuda=_wants_cuda(self.args.agent_devices, count))
+        resolved = resolve_agents(agent_model, agents, count, tokenizer, self.model_config,
+                                  self.args.agent_devices, peft_config, self.args.seed)
+        self._resolved = resolved
+        self.agents, self.tokenizers = list(resolved.models), list(resolved.tokenizers)
+        self.tokenizer = self.tokenizers[0]
+        self.num_agents, self.model_name = len(self.agents), resolved.model_name
+        self.agent_devices, self.device = list(resolved.devices), resolved.devices[0]
+        self._warn_count(count)
+        self.reward_func, self.reward_processor = reward_func, reward_processor
+        self.reward = RewardFunction(reward_func, self._reward_arity(), reward_processor)
+        self.formatters = build_formatter_list(formatters, self._prompted_count())
+        self.external_transition = external_transition
+        self.transition = ExternalTransition(external_transition, self.num_agents) \
+            if external_transition is not None and self.args.num_turns > 1 else None
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.eval_logger, self.eval_aggregator = eval_logger, eval_aggregator
+        self._tables: dict[str, tuple[int, PromptTable]] = {}
+        if train_dataset is not None:
+            self._table("train")  # a formatter or prompt problem stops the run before it starts
+        if eval_dataset is not None:
+            self._table("eval")
+        dist.broadcast_parameters(self._broadcast_modules(), self.dist)
+        self.reference_models = self._references()
+        self._set_seed()
+        self.optimizers, self.schedulers = self._optimizers(self.agents)
+        self.backend = make_backend(self.args.rollout_backend, self.agents, self.tokenizers, seed=self.args.seed,
+                                    world_size=self.dist.world_size, vllm_options=self._vllm_options())
+        self.state = TrainState()
+        self.run_id = dist.gather_objects(uuid.uuid4().hex, self.dist)[0]  # rank 0's, on every rank
+        self.checkpoints = CheckpointManager(is_main=self.dist.is_main)
+        self.wandb_identity: Optional[dict[str, str]] = None
+        self.verbose = verbose_from_wandb_config(wandb_config)
+        self._fingerprint_cache: Optional[dict[str, Any]] = None
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------
+    # construction helpers (families override the small ones)
+    # ------------------------------------------------------------------------------------------
+    def _check_args(self, args: Optional[TrainerConfig]) -> TrainerConfig:
+        if args is None:
+            args = self.config_class()
+        if not isinstance(args, self._accepted_config()):
+            raise ConfigError(f"args must be a {self._accepted_config().__name__}, got {type(args).__name__}.")
+        args.validate()
+        return args
+
+    def _accepted_config(self) -> type:
+        return self.config_class
+
+    def _warn_count(self, count: int) -> None:
+        if self.args.num_agents != count:
+            logger.warning("comlrl: the config says num_agents=%d but the trainer has %d agents; training %d.",
+                           self.args.num_agents, count, count)
+
+    def _reward_arity(self) -> int:
+        """How many completion lists the reward function takes (one per agent)."""
+        return self.num_agents
+
+    def _prompted_count(self) -> int:
+        """How many formatters (one per agent)."""
+        return self.num_agents
+
+    def _broadcast_modules(self) -> list[torch.nn.Module]:
+        """Modules every process must start equal (rank 0's); a LoRA base once with every adapter."""
+        from ..adapters import AdapterAgent
+
+        shared = {id(m.shared): m.shared for m in self.agents if isinstance(m, AdapterAgent)}
+        return [m for m in self.agents if not isinstance(m, AdapterAgent)] + list(shared.values())
+
+    def _references(self) -> list[torch.nn.Module]:
+        """Each agent's frozen initial policy when the reference KL is on (none otherwise)."""
+        if not self.args.reference_kl_enabled:
+            return []
+        from ..schedulers.device_scheduler import DeviceScheduler, check_available
+
+        devices = self.agent_devices if self.args.reference_devices is None else [
+            check_available(d, "reference_devices")
+            for d in DeviceScheduler.resolve_devices(self.args.reference_devices, len(self.agents),
+                                                     kind="reference_devices")]
+        self._reference_devices = list(devices)
+        return [r for r in frozen_copies(self.agents, devices)]
+
+    def _set_seed(self) -> None:
+        from ..utils import set_seed
+
+        set_seed(self.args.seed)
+
+    def _optimizers(self, models: Sequence[torch.nn.Module], lr: Optional[float] = None):
+        """One AdamW per model (fused where torch has it) and a linear-warmup schedule each."""
+        args = self.args
+        optimizers, schedulers = [], []
+        for model in models:
+            params = [p for p in model.parameters() if p.requires_grad]
+            if not params:
+                raise ConfigError(f"{type(model).__name__} has no trainable parameter (all requires_grad=False); "
+                                  "unfreeze what the agent should learn.")
+            fused = True if all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) else None
+            opt = torch.optim.AdamW(params, lr=lr if lr is not None else args.agent_learning_rate,
+                                    betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                    weight_decay=args.weight_decay, fused=fused)
+            warmup = args.warmup_steps
+            optimizers.append(opt)
+            schedulers.append(torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (warmup + 1))))
+        return optimizers, schedulers
+
+    def _vllm_options(self) -> dict[str, Any]:
+        return {"gpu_memory_utilization": self.args.vllm_gpu_memory_utilization,
+                "mixed_precision": self.args.mixed_precision, "engine_kwargs": self.args.vllm_engine_kwargs}
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """``torch.autocast(bfloat16)`` on every device type the agents use, with
+        ``mixed_precision="bf16"``; nothing otherwise."""
+        stack = contextlib.ExitStack()
+        if self.args.mixed_precision == "bf16":
+            for device_type in sorted({d.type for d in self.agent_devices}):
+                stack.enter_context(torch.autocast(device_type=device_type, dtype=torch.bfloat16))
+        return stack
+
+    # ------------------------------------------------------------------------------------------
+    # data
+    # ------------------------------------------------------------------------------------------
+    @property
+    def env_step(self) -> int:
+        """Joint actions scored so far: the step metrics are logged at."""
+        return self.state.env_step
+
+    def _table(self, split: str) -> PromptTable:
+        """The formatted prompts of ``train_dataset`` / ``eval_dataset`` (rebuilt if replaced)."""
+        dataset = self.train_dataset if split == "train" else self.eval_dataset
+        if dataset is None:
+            raise ConfigError(f"training requires a train_dataset; set trainer.train_dataset or pass train_dataset=..."
+                              if split == "train" else "evaluation requires an eval_dataset.")
+        cached = self._tables.get(split)
+        if cached is None or cached[0] != id(dataset):
+            table = PromptTable.build(dataset, f"{split}_dataset", self.formatters)
+            other = self._tables.get("eval" if split == "train" else "train")
+            if other is not None and other[1].chat != table.chat:
+                raise ConfigError("eval_dataset and train_dataset give an agent prompts of different forms (chat "
+                                  "messages vs plain strings); use one form for both.")
+            self._tables[split] = (id(dataset), table)
+            self._fingerprint_cache = None
+        return self._tables[split][1]
+
+    def _batch(self, table: PromptTable, indices: Sequence[int]) -> PromptBatch:
+        return PromptBatch(tuple(indices), tuple(table.rows[i] for i in indices),
+                           tuple(tuple(table.prompts[a][i] for i in indices) for a in range(len(table.prompts))))
+
+    def _collector(self, table: PromptTable) -> Collector:
+        return Collector(backend=self.backend, sampling=SamplingParams(self.args.max_new_tokens,
+                                                                       self.args.temperature, self.args.top_p,
+                                                                       self.args.top_k),
+                         tokenizers=self.tokenizers, eos_token_ids=self._resolved.eos_token_ids, chat=table.chat,
+                         formatters=self.formatters, reward=self.reward, transition=self.transition,
+                         joint_mode=getattr(self.args, "joint_mode", "aligned"),
+                         passthrough=self.args.external_prompt_passthrough, autocast=self._autocast)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """Dataset indices of ``epoch`` in training order (a pure function of seed and epoch)."""
+        n = len(self._table("train"))
+        if self.args.shuffle:
+            return np.random.default_rng([self.args.seed, epoch]).permutation(n).tolist()
+        return list(range(n))
+
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """The training rows, one per batch, in dataset order (CoMLRL's loader)."""
+        if self.train_dataset is None:
+            raise ConfigError("get_train_dataloader needs a train_dataset.")
+        return torch.utils.data.DataLoader(self.train_dataset, batch_size=1, shuffle=False, collate_fn=list)
+
+    def get_eval_dataloader(self) -> Optional[torch.utils.data.DataLoader]:
+        """The eval rows in batches of ``eval_batch_size``, or None without an eval_dataset."""
+        if self.eval_dataset is None:
+            return None
+        return torch.utils.data.DataLoader(self.eval_dataset, batch_size=self.args.eval_batch_size, shuffle=False,
+                                           collate_fn=list)
+
+    # ------------------------------------------------------------------------------------------
+    # the algorithm (families)
+    # ------------------------------------------------------------------------------------------
+    def _slots(self) -> Slots:
+        """Every trained module with its optimizer and scheduler, by checkpoint slot."""
+        return Slots({f"agent-{i}": m for i, m in enumerate(self.agents)},
+                     {f"agent-{i}": o for i, o in enumerate(self.optimizers)},
+                     {f"agent-{i}": s for i, s in enumerate(self.schedulers)})
+
+    def _train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
+        """Train on one buffer of prompts (``indices`` into the train table); return its metrics and
+        advance ``self.state.global_step`` / ``env_step``."""
+        raise NotImplementedError
+
+    def _fingerprint_extra(self) -> dict[str, Any]:
+        """Family-specific parts of the fingerprint."""
+        return {}
+
+    def _reset_pending(self) -> None:
+        """Forget work of an interrupted buffer (a family that keeps some overrides it)."""
+
+    # ------------------------------------------------------------------------------------------
+    # evaluation
+    # ------------------------------------------------------------------------------------------
+    def evaluate(self, num_eval_samples: Optional[int] = None) -> dict[str, float]:
+        """Sample one completion per agent and turn for the first eval prompts and score them.
+
+        Uses the first ``num_eval_samples`` rows of ``eval_dataset`` (default ``eval_num_samples``;
+        0 or None = all). Every turn is played (no early termination). Eval samples come from their
+        own seeds, the same at every evaluation, and every global random state is restored
+        afterwards, so a run with evaluation trains exactly as one without. Under torchrun every
+        process must call it. Returns ``{}`` without an eval_dataset.
+
+        Returns:
+            ``eval/turn_{t}/reward_mean``, ``eval/turn_{t}/expected_return``, ``eval/reward_mean``,
+            ``eval/reward_std``, ``eval/return_mean``, ``eval/agent_{a}/completion_length``, and
+            ``eval/<key>`` for what ``eval_aggregator`` returns.
+        """
+        if self.eval_dataset is None:
+            logger.warning("comlrl: evaluate() without an eval_dataset returns nothing; pass eval_dataset=...")
+            return {}
+        self._check_open()
+        check_tokenizers_usable(self.tokenizers)
+        table = self._table("eval")
+        count = num_eval_samples if num_eval_samples is not None else self.args.eval_num_samples
+        indices = list(range(len(table) if not count else min(count, len(table))))
+        with _restored_rng():
+            records, completions = self._eval_episodes(table, indices)
+        merged = merge_records(records, self.args.num_turns, self.num_agents, self.dist)
+        metrics = {k: v for k, v in episode_metrics(merged, "eval", "eval/").items()
+                   if not k.endswith(("reward_min", "reward_max", "completion_length_max"))}
+        metrics.update(self._custom_eval_metrics(table, indices, completions))
+        return metrics
+
+    def _eval_episodes(self, table: PromptTable, indices: list[int]):
+        from ..functional.returns import discounted_returns
+
+        collector = self._collector(table)
+        records, completions = [], []
+        for start in range(0, len(indices), self.args.eval_batch_size):
+            mine = dist.shard(indices[start:start + self.args.eval_batch_size], self.dist)
+            if not mine:
+                continue
+            turns = collector.play(self._batch(table, mine), num_generations=1, num_turns=self.args.num_turns,
+                                   seed_of=eval_seeds(self.args.seed), threshold=None)
+            returns = discounted_returns([t.rewards for t in turns], [t.children for t in turns], 1,
+                                         self.args.discount, self.args.num_turns)
+            records.append(record_turns(turns, returns))
+            completions.extend((idx, self._eval_completions(turns, g)) for g, idx in enumerate(mine))
+        return records, completions
+
+    def _eval_completions(self, turns, group: int) -> list[list[str]]:
+        """``[agent][turn]`` completions of eval item ``group`` (one sample per turn), as
+        ``eval_logger`` sees them."""
+        return [[t.completions[a][group] for t in turns] for a in range(len(turns[0].completions))]
+
+    def _custom_eval_metrics(self, table: PromptTable, indices: list[int], completions) -> dict[str, float]:
+        """``eval_logger`` / ``eval_aggregator`` (CoMLRL's task-metric callbacks), both or neither."""
+        if self.eval_logger is None or self.eval_aggregator is None:
+            return {}
+        gathered = [c for part in dist.gather_objects(completions, self.dist) for c in part]
+        by_index = dict(gathered)
+        agents = len(next(iter(by_index.values()))) if by_index else self.num_agents
+        per_agent = [[list(by_index[i][a]) for i in indices] for a in range(agents)]
+        items = [table.rows[i] for i in indices]
+        logged = self.eval_logger(agent_completions_turns=per_agent, batch_items=items,
+                                  prompts=[row.get("prompt") for row in items])
+        aggregated = self.eval_aggregator(logged, num_turns=self.args.num_turns) or {}
+        return {f"eval/{k}": float(v) for k, v in aggregated.items()}
+
+    # ------------------------------------------------------------------------------------------
+    # training
+    # ------------------------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: Optional[Union[str, os.PathLike]] = None,
+              checkpoint_dir: Optional[Union[str, os.PathLike]] = None, checkpoint_interval: int = 1,
+              checkpoint_total_limit: Optional[int] = None, save_steps: Optional[int] = None,
+              **kwargs: Any) -> dict[str, float]:
+        """Train until ``num_train_epochs`` epochs (of the whole run) are complete.
+
+        Args:
+            resume_from_checkpoint: a ``checkpoint-N`` directory (comlrl's, or one written by CoMLRL
+                1.4.3) to continue from: the same run, its W&B run, its metrics file.
+            checkpoint_dir: where ``checkpoint-N`` directories and ``metrics.jsonl`` go. The run holds
+                an exclusive lock on it until train() returns.
+            checkpoint_interval: save after every this many epochs (with a checkpoint_dir).
+            checkpoint_total_limit: keep only the newest this many checkpoints of this run.
+            save_steps: also save at the first buffer boundary after every this many optimizer steps.
+        Returns:
+            The last logged metrics row.
+
+        Calling train() again on the same trainer after it was interrupted (an exception, Ctrl-C)
+        continues exactly where it stopped: the interrupted optimizer step's partial gradients are
+        discarded and redone, and no logged row is lost.
+        """
+        if kwargs:
+            raise ConfigError(f"train() got generation keyword argument(s) {sorted(kwargs)}; comlrl samples with its "
+                              "config: set max_new_tokens, temperature, top_p and top_k in the config instead.")
+        self._check_open()
+        self.args.validate()
+        _check_train_args(checkpoint_dir, checkpoint_interval, checkpoint_total_limit, save_steps)
+        check_tokenizers_usable(self.tokenizers)
+        self._table("train")
+        self._check_world()
+        resumed = self._load_for_train(resume_from_checkpoint) if resume_from_checkpoint is not None else None
+        for opt in self.optimizers:  # an interrupted step's partial gradients must not leak into the next
+            opt.zero_grad(set_to_none=True)
+        continuing = resumed is not None or self.state.global_step > 0
+        loop = RunLoop(self, checkpoint_dir, checkpoint_interval, checkpoint_total_limit, save_steps,
+                       resumed_number=resumed, continuing=continuing)
+        return loop.run()
+
+    def _check_world(self) -> None:
+        if self.dist.enabled and self.args.train_batch_size < self.dist.world_size:
+            raise ConfigError(f"{self.dist.world_size} processes share each optimizer step's train_batch_size="
+                              f"{self.args.train_batch_size} prompt(s): some would never get a prompt. Set "
+                              f"train_batch_size to at least {self.dist.world_size}, or launch fewer processes.")
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoints
+    # ------------------------------------------------------------------------------------------
+    def _fingerprints(self) -> dict[str, Any]:
+        """What a resumed run must share with this one (computed once: hashing a large tokenizer or
+        dataset at every save would cost more than the save)."""
+        if self._fingerprint_cache is None:
+            tokenizers = {id(t): tokenizer_fingerprint(t) for t in {id(t): t for t in self.tokenizers}.values()}
+            fixed = resumable_fields(type(self.args))
+            self._fingerprint_cache = {
+                "trainer": type(self).__name__,
+                "config": {k: v for k, v in self.args.to_dict().items() if k not in fixed},
+                "num_agents": self.num_agents,
+                "models": [model_fingerprint(m) for m in self.agents],
+                "tokenizers": [tokenizers[id(t)] for t in self.tokenizers],
+                "dataset": dataset_fingerprint(self._table("train").rows),
+                "reward_func": callable_fingerprint(self.reward_func),
+                "reward_processor": callable_fingerprint(self.reward_processor),
+                "formatters": [callable_fingerprint(f.source) for f in self.formatters],
+                "external_transition": callable_fingerprint(self.external_transition if self.transition else None),
+                **self._fingerprint_extra(),
+            }
+        fingerprints = dict(self._fingerprint_cache)
+        fixed = resumable_fields(type(self.args))  # the config may be edited between train() calls
+        fingerprints["config"] = {k: v for k, v in self.args.to_dict().items() if k not in fixed}
+        return fingerprints
+
+    def _record(self) -> dict[str, Any]:
+        """The JSON state of a checkpoint (the manager adds RNG and optimizer state)."""
+        from .. import __version__
+
+        return {"run_id": self.run_id, "trainer": type(self).__name__, "counters": self.state.counters(),
+                "log_window": self.state.window.to_dict(), "num_train_epochs": self.args.num_train_epochs,
+                "wandb": self.wandb_identity, "config": self.args.to_dict(), "fingerprints": self._fingerprints(),
+                "comlrl_version": __version__, "algorithm": self._algorithm_state()}
+
+    def _algorithm_state(self) -> dict[str, Any]:
+        """Family-specific JSON state to save (e.g. a phase of a multi-phase algorithm)."""
+        return {}
+
+    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`_algorithm_state` saved."""
+
+    def _save(self, number: int, limit: Optional[int]) -> Path:
+        """Save checkpoint ``number`` (the files are written on the manager's thread)."""
+        self._check_finite_weights(number)
+        self.state.checkpoint = number
+        rng_states = dist.gather_objects(CheckpointManager.capture_rng(), self.dist)
+        return dist.main_process_first_result(
+            lambda: self.checkpoints.save(number, self._record(), self._slots(), rng_states, limit, self.run_id),
+            self.dist)
+
+    def _check_finite_weights(self, number: int) -> None:
+        for slot, module in self._slots().modules.items():
+            if not all(bool(torch.isfinite(p).all()) for p in module.parameters()):
+                raise TrainingError(f"checkpoint-{number} was not written: {slot} has non-finite weights (the last "
+                                    "optimizer step diverged). Lower the learning rate and resume from the previous "
+                                    "checkpoint.")
+
+    def _load_for_train(self, path: Union[str, os.PathLike]) -> int:
+        """Resume from ``path`` (comlrl's format or CoMLRL 1.4.3's); returns its checkpoint number."""
+        from ..checkpoint.legacy import is_legacy_checkpoint
+
+        path = Path(path)
+        if is_legacy_checkpoint(path):
+            from ..checkpoint.legacy_resume import resume_legacy
+
+            return resume_legacy(self, path)
+        state = self.checkpoints.load(path, self._slots(), self._fingerprints(), rank=self.dist.rank)
+        if state["world_size"] != self.dist.world_size and self.dist.is_main:
+            logger.warning("comlrl: %s was written by %d process(es) and resumes on %d: the run continues within "
+                           "float tolerance of the uninterrupted one, not bit for bit.", path, state["world_size"],
+                           self.dist.world_size)
+        self.backend.mark_stale()
+        self.run_id = state["run_id"]
+        self.state = TrainState.restore(state["counters"], state["log_window"])
+        self.wandb_identity = state["wandb"]
+        self._reset_pending()
+        self._load_algorithm_state(state["algorithm"])
+        logger.info("comlrl: resumed %s at epoch %d, env_step %d", path, self.state.epoch, self.state.env_step)
+        return self.state.checkpoint
+
+    def save_checkpoint(self, output_dir: Union[str, os.PathLike]) -> str:
+        """Write the current state as a checkpoint directory ``output_dir`` (CoMLRL's API) and
+        return its path; the trainer must be between buffers (not inside a failed train())."""
+        self._check_open()
+        target = Path(output_dir)
+        number = self.state.checkpoint + 1
+        self.state.checkpoint = number
+        self._check_finite_weights(number)
+        rng_states = dist.gather_objects(CheckpointManager.capture_rng(), self.dist)
+        return dist.main_process_first_result(
+            lambda: str(self.checkpoints.write_named(target, number, self._record(), self._slots(), rng_states)),
+            self.dist)
+
+    def load_checkpoint(self, checkpoint: Union[str, os.PathLike]) -> dict[str, int]:
+        """Restore a checkpoint into this trainer without training (CoMLRL's API); the next
+        train() continues from it. Returns its counters."""
+        self._check_open()
+        self._table("train")
+        self._load_for_train(checkpoint)
+        return self.state.counters()
+
+    # ------------------------------------------------------------------------------------------
+    # saving for use, closing
+    # ------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: Union[str, os.PathLike], merge_adapters: bool = False) -> Path:
+        """Write every agent as a standard transformers directory ``output_dir/agent_i`` with its
+        tokenizer (``AutoModelForCausalLM.from_pretrained`` loads it). LoRA agents are written as PEFT
+        adapter directories, or with ``merge_adapters=True`` as plain models. Written to a hidden
+        sibling and renamed into place; under torchrun every process calls it and rank 0 writes."""
+        if not isinstance(merge_adapters, bool):
+            raise ConfigError(f"merge_adapters must be True or False, got {merge_adapters!r}.")
+        return dist.main_process_first_result(lambda: _write_agents(Path(output_dir), self._exported(),
+                                                                    merge_adapters), self.dist)
+
+    def _exported(self) -> list[tuple[str, torch.nn.Module, Any]]:
+        """``(folder, model, tokenizer)`` of everything :meth:`save_model` writes."""
+        return [(f"agent_{i}", m, t) for i, (m, t) in enumerate(zip(self.agents, self.tokenizers))]
+
+    def close(self) -> None:
+        """Finish any checkpoint write, unlock the checkpoint directory, stop rollout engines and
+        writer threads. The trainer cannot train afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.checkpoints.close()
+        finally:
+            self.backend.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TrainingError(f"this {type(self).__name__} was closed; build a new trainer (and resume from its "
+                                "checkpoint) to train again.")
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # --- trackers (used by the loop) ----------------------------------------------------------
+    def _open_wandb(self, resumed: bool) -> Optional[WandbSink]:
+        if self.wandb_config is None:
+            return None
+        run_config = {**self.args.to_dict(), "model_name": self.model_name, "num_agents": self.num_agents,
+                      "algorithm": self.algorithm_name, **self._run_config_extra()}
+        sink = WandbSink(self.wandb_config, run_config, identity=self.wandb_identity if resumed else None,
+                         min_step=self.state.env_step + 1 if resumed else 0)
+        self.wandb_identity = sink.identity()
+        return sink
+
+    def _run_config_extra(self) -> dict[str, Any]:
+        return {}
+
+
+def _wants_cuda(spec: Any, count: int) -> bool:
+    """Whether the agents will train on CUDA (the process group then uses NCCL)."""
+    from ..schedulers.device_scheduler import DeviceScheduler
+
+    return any(d.type == "cuda" for d in DeviceScheduler.resolve_devices(spec, count, kind="agent_devices"))
+
+
+def _check_train_args(checkpoint_dir: Any, interval: Any, limit: Any, save_steps: Any) -> None:
+    if checkpoint_dir is None and (limit is not None or save_steps is not None):
+        raise ConfigError("checkpoint_total_limit / save_steps need a checkpoint_dir.")
+    for name, value, optional in (("checkpoint_interval", interval, False), ("checkpoint_total_limit", limit, True),
+                                  ("save_steps", save_steps, True)):
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}.")
+
+
+@contextlib.contextmanager
+def _restored_rng():
+    """Run a block without changing any global random state (evaluation never shifts training)."""
+    from ..checkpoint.rng import capture_rng_state, restore_rng_state
+
+    saved = capture_rng_state()
+    try:
+        yield
+    finally:
+        restore_rng_state(*saved)
+
+
+def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool) -> Path:
+    from ..adapters import AdapterAgent
+
+    if target.exists() and (not target.is_dir() or any(not re.fullmatch(r"(agent|critic)_\d+", p.name)
+                                                       for p in target.iterdir())):
+        raise ConfigError(f"save_model: {target} exists and holds more than agent_* folders (metrics, checkpoints?); "
+                          "nothing was written. Choose an empty or new directory.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        for folder, model, tokenizer in exported:
+            if isinstance(model, AdapterAgent):
+                model.save_pretrained(tmp / folder, merged=merge_adapters)
+            else:
+                model.save_pretrained(tmp / folder)
+            if hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(tmp / folder)
+        fsync_tree(tmp)
+        move_into_place(tmp, target)  # replaces an earlier save_model only after the new one is whole
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

@@ -1,0 +1,14 @@
+"""Pure tensor functions of the training step: advantages, returns, losses, joint actions,
+and the log-probabilities of sampled tokens."""
+
+from .advantages import group_advantages, group_mean_std
+from .joint import cross_combinations, cross_returns, joint_actions_per_group
+from .logprobs import linear_selected_log_probs, selected_log_probs, sequence_log_probs
+from .losses import (LOSS_TYPES, aggregate_tokens, completion_mask, loss_denominator, policy_gradient_loss,
+                     sequence_kl, token_sum)
+from .returns import discounted_returns, tree_size
+
+__all__ = ["group_advantages", "group_mean_std", "cross_combinations", "cross_returns", "joint_actions_per_group",
+           "linear_selected_log_probs", "selected_log_probs", "sequence_log_probs", "LOSS_TYPES", "aggregate_tokens",
+           "completion_mask", "loss_denominator", "policy_gradient_loss", "sequence_kl", "token_sum",
+           "discounted_returns", "tree_size"]

@@ -1,0 +1,119 @@
+"""Completion masks, the policy-gradient loss and KL estimates. Pure tensor functions.
+
+Shapes: ``R`` rows (completions), ``T`` completion length (right-padded).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+__all__ = ["completion_mask", "policy_gradient_loss", "token_sum", "loss_denominator", "aggregate_tokens",
+           "sequence_kl", "LOSS_TYPES"]
+
+LOSS_TYPES = ("sequence", "grpo", "token_mean", "dr_grpo")
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_ids: Iterable[int]) -> torch.Tensor:
+    """Which completion tokens are scored: everything up to and including the first EOS.
+
+    Args:
+        completion_ids: ``[R, T]`` sampled token ids (anything after the first EOS is padding).
+        eos_token_ids: ids that end a completion.
+    Returns:
+        ``[R, T]`` bool mask; a row without EOS (cut by max_new_tokens) is scored in full.
+    """
+    eos = torch.tensor(sorted(set(eos_token_ids)), device=completion_ids.device, dtype=completion_ids.dtype)
+    is_eos = torch.isin(completion_ids, eos).to(torch.int64)
+    # Number of EOS tokens strictly before each position: 0 means "not past the first EOS".
+    eos_before = torch.cumsum(is_eos, dim=1) - is_eos
+    return eos_before == 0
+
+
+def policy_gradient_loss(
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    loss_type: str = "sequence",
+    max_new_tokens: int | None = None,
+    denominator: float | None = None,
+) -> torch.Tensor:
+    """REINFORCE-with-baseline loss of one on-policy update (GRPO's loss at ratio 1).
+
+    Args:
+        log_probs: ``[R, T]`` log-probs of the sampled tokens (with grad).
+        advantages: ``[R]`` one advantage per completion (no grad).
+        mask: ``[R, T]`` bool, tokens that are scored (see :func:`completion_mask`).
+        loss_type: how tokens and completions are weighed (see :func:`token_sum`).
+        denominator: divide by this instead of this batch's own :func:`loss_denominator`: the
+            denominator of the whole optimizer step, when its rows are split over micro-batches
+            or processes, so that the pieces' losses add up to the loss of the whole step.
+    Returns:
+        Scalar loss; its gradient is ``-E[A * grad log pi]`` under the chosen normalisation.
+    """
+    per_token = -advantages.to(log_probs.dtype).unsqueeze(1) * log_probs
+    return aggregate_tokens(per_token, mask, loss_type, max_new_tokens, denominator)
+
+
+def token_sum(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """The numerator of a loss over the scored tokens ``mask`` of ``[R, T]`` per-token values.
+
+    ``"sequence"``: sum of each row's tokens, summed over rows (REINFORCE's sequence log-prob);
+    ``"grpo"``: mean of each row's tokens, summed over rows; ``"token_mean"``, ``"dr_grpo"``: the
+    sum of all scored tokens. Unscored positions never count (they are selected away, so a NaN or
+    inf there cannot leak into the result).
+    """
+    mask = mask.bool()
+    per_token = torch.where(mask, per_token, torch.zeros_like(per_token))
+    if loss_type in ("sequence", "token_mean", "dr_grpo"):
+        return per_token.sum()
+    if loss_type == "grpo":
+        return (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1).to(per_token.dtype)).sum()
+    raise ValueError(f"unknown loss_type {loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
+
+
+def loss_denominator(mask: torch.Tensor, loss_type: str, max_new_tokens: int | None = None) -> float:
+    """What :func:`token_sum` is divided by: rows (``sequence``, ``grpo``), scored tokens
+    (``token_mean``) or rows x ``max_new_tokens`` (``dr_grpo``)."""
+    if loss_type == "token_mean":
+        return float(mask.sum())
+    if loss_type == "dr_grpo":
+        if max_new_tokens is None:
+            raise ValueError("loss_type 'dr_grpo' needs max_new_tokens")
+        return float(mask.shape[0] * max_new_tokens)
+    return float(mask.shape[0])
+
+
+def aggregate_tokens(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str = "sequence",
+                     max_new_tokens: int | None = None, denominator: float | None = None) -> torch.Tensor:
+    """:func:`token_sum` / ``denominator`` (default: :func:`loss_denominator` of this batch)."""
+    if denominator is None:
+        denominator = loss_denominator(mask, loss_type, max_new_tokens)
+    return token_sum(per_token, mask, loss_type) / max(denominator, 1.0)
+
+
+def sequence_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor,
+                estimator: str = "k1") -> torch.Tensor:
+    """Per-completion estimate of KL(policy || reference) from its sampled tokens.
+
+    ``"k1"``: the sum over scored tokens of ``logp - ref``, the log-ratio of the completion. On samples
+    of the policy its mean is the KL, and as a penalty on the return its REINFORCE gradient is the
+    KL's gradient (RLHF's KL-in-reward). ``"k3"``: the sum of ``exp(ref - logp) - (ref - logp) - 1``
+    (Schulman 2020), never negative and of lower variance, but as a reward its REINFORCE gradient is
+    biased (CoMLRL 1.4.3 penalises returns with it).
+
+    Args:
+        log_probs, ref_log_probs: ``[R, T]`` the policy's and the reference's log-probs of the
+            sampled tokens.
+        mask: ``[R, T]`` bool, the scored tokens.
+    Returns:
+        ``[R]`` float64, no gradient.
+    """
+    mask = mask.bool()
+    delta = torch.where(mask, ref_log_probs.detach().double() - log_probs.detach().double(),
+                        torch.zeros((), dtype=torch.float64, device=log_probs.device))
+    if estimator == "k1":
+        return -delta.sum(dim=1)
+    if estimator == "k3":
+        return torch.where(mask, torch.exp(delta) - delta - 1.0, torch.zeros_like(delta)).sum(dim=1)
+    raise ValueError(f"unknown KL estimator {estimator!r}; use 'k1' or 'k3'")
