@@ -9,34 +9,26 @@ agents, :meth:`Trainer._slots`. Everything else (data order, evaluation cadence,
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
 import os
-import re
-import shutil
 import uuid
-from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from .._io import fsync_tree, move_into_place
-from ..checkpoint.fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint,
-                                      model_fingerprint, tokenizer_fingerprint)
 from ..checkpoint.manager import CheckpointManager, Slots
 from ..exceptions import ConfigError, TrainingError
 from ..rollout import SamplingParams, make_backend
-from ..tracking import JsonlSink, WandbSink, check_wandb_config
+from ..tracking import WandbSink, check_wandb_config
 from ..tracking.wandb import verbose_from_wandb_config
 from . import distributed as dist
-from .collect import Collector, PromptBatch, eval_seeds
-from .config import resumable_fields
+from .collect import Collector, PromptBatch
 from .episode import ExternalTransition
+from .evaluation import Evaluation
 from .inputs import agent_count, check_tokenizers_usable, frozen_copies, resolve_agents
 from .loop import RunLoop
-from .metrics import episode_metrics, merge_records, record_turns
+from .persistence import Persistence
 from .prompts import PromptTable, build_formatter_list
 from .rewards import RewardFunction
 from .settings import TrainerConfig
@@ -48,7 +40,7 @@ __all__ = ["Trainer"]
 logger = logging.getLogger("comlrl")
 
 
-class Trainer:
+class Trainer(Evaluation, Persistence):
     """Base of every trainer (see the module docstring). Not used directly."""
 
     config_class: type[TrainerConfig] = TrainerConfig
@@ -200,7 +192,7 @@ class Trainer:
         """The formatted prompts of ``train_dataset`` / ``eval_dataset`` (rebuilt if replaced)."""
         dataset = self.train_dataset if split == "train" else self.eval_dataset
         if dataset is None:
-            raise ConfigError(f"training requires a train_dataset; set trainer.train_dataset or pass train_dataset=..."
+            raise ConfigError("training requires a train_dataset; set trainer.train_dataset or pass train_dataset=..."
                               if split == "train" else "evaluation requires an eval_dataset.")
         cached = self._tables.get(split)
         if cached is None or cached[0] != id(dataset):
@@ -268,75 +260,6 @@ class Trainer:
         """Forget work of an interrupted buffer (a family that keeps some overrides it)."""
 
     # ------------------------------------------------------------------------------------------
-    # evaluation
-    # ------------------------------------------------------------------------------------------
-    def evaluate(self, num_eval_samples: Optional[int] = None) -> dict[str, float]:
-        """Sample one completion per agent and turn for the first eval prompts and score them.
-
-        Uses the first ``num_eval_samples`` rows of ``eval_dataset`` (default ``eval_num_samples``;
-        0 or None = all). Every turn is played (no early termination). Eval samples come from their
-        own seeds, the same at every evaluation, and every global random state is restored
-        afterwards, so a run with evaluation trains exactly as one without. Under torchrun every
-        process must call it. Returns ``{}`` without an eval_dataset.
-
-        Returns:
-            ``eval/turn_{t}/reward_mean``, ``eval/turn_{t}/expected_return``, ``eval/reward_mean``,
-            ``eval/reward_std``, ``eval/return_mean``, ``eval/agent_{a}/completion_length``, and
-            ``eval/<key>`` for what ``eval_aggregator`` returns.
-        """
-        if self.eval_dataset is None:
-            logger.warning("comlrl: evaluate() without an eval_dataset returns nothing; pass eval_dataset=...")
-            return {}
-        self._check_open()
-        check_tokenizers_usable(self.tokenizers)
-        table = self._table("eval")
-        count = num_eval_samples if num_eval_samples is not None else self.args.eval_num_samples
-        indices = list(range(len(table) if not count else min(count, len(table))))
-        with _restored_rng():
-            records, completions = self._eval_episodes(table, indices)
-        merged = merge_records(records, self.args.num_turns, self.num_agents, self.dist)
-        metrics = {k: v for k, v in episode_metrics(merged, "eval", "eval/").items()
-                   if not k.endswith(("reward_min", "reward_max", "completion_length_max"))}
-        metrics.update(self._custom_eval_metrics(table, indices, completions))
-        return metrics
-
-    def _eval_episodes(self, table: PromptTable, indices: list[int]):
-        from ..functional.returns import discounted_returns
-
-        collector = self._collector(table)
-        records, completions = [], []
-        for start in range(0, len(indices), self.args.eval_batch_size):
-            mine = dist.shard(indices[start:start + self.args.eval_batch_size], self.dist)
-            if not mine:
-                continue
-            turns = collector.play(self._batch(table, mine), num_generations=1, num_turns=self.args.num_turns,
-                                   seed_of=eval_seeds(self.args.seed), threshold=None)
-            returns = discounted_returns([t.rewards for t in turns], [t.children for t in turns], 1,
-                                         self.args.discount, self.args.num_turns)
-            records.append(record_turns(turns, returns))
-            completions.extend((idx, self._eval_completions(turns, g)) for g, idx in enumerate(mine))
-        return records, completions
-
-    def _eval_completions(self, turns, group: int) -> list[list[str]]:
-        """``[agent][turn]`` completions of eval item ``group`` (one sample per turn), as
-        ``eval_logger`` sees them."""
-        return [[t.completions[a][group] for t in turns] for a in range(len(turns[0].completions))]
-
-    def _custom_eval_metrics(self, table: PromptTable, indices: list[int], completions) -> dict[str, float]:
-        """``eval_logger`` / ``eval_aggregator`` (CoMLRL's task-metric callbacks), both or neither."""
-        if self.eval_logger is None or self.eval_aggregator is None:
-            return {}
-        gathered = [c for part in dist.gather_objects(completions, self.dist) for c in part]
-        by_index = dict(gathered)
-        agents = len(next(iter(by_index.values()))) if by_index else self.num_agents
-        per_agent = [[list(by_index[i][a]) for i in indices] for a in range(agents)]
-        items = [table.rows[i] for i in indices]
-        logged = self.eval_logger(agent_completions_turns=per_agent, batch_items=items,
-                                  prompts=[row.get("prompt") for row in items])
-        aggregated = self.eval_aggregator(logged, num_turns=self.args.num_turns) or {}
-        return {f"eval/{k}": float(v) for k, v in aggregated.items()}
-
-    # ------------------------------------------------------------------------------------------
     # training
     # ------------------------------------------------------------------------------------------
     def train(self, resume_from_checkpoint: Optional[Union[str, os.PathLike]] = None,
@@ -382,126 +305,6 @@ class Trainer:
             raise ConfigError(f"{self.dist.world_size} processes share each optimizer step's train_batch_size="
                               f"{self.args.train_batch_size} prompt(s): some would never get a prompt. Set "
                               f"train_batch_size to at least {self.dist.world_size}, or launch fewer processes.")
-
-    # ------------------------------------------------------------------------------------------
-    # checkpoints
-    # ------------------------------------------------------------------------------------------
-    def _fingerprints(self) -> dict[str, Any]:
-        """What a resumed run must share with this one (computed once: hashing a large tokenizer or
-        dataset at every save would cost more than the save)."""
-        if self._fingerprint_cache is None:
-            tokenizers = {id(t): tokenizer_fingerprint(t) for t in {id(t): t for t in self.tokenizers}.values()}
-            fixed = resumable_fields(type(self.args))
-            self._fingerprint_cache = {
-                "trainer": type(self).__name__,
-                "config": {k: v for k, v in self.args.to_dict().items() if k not in fixed},
-                "num_agents": self.num_agents,
-                "models": [model_fingerprint(m) for m in self.agents],
-                "tokenizers": [tokenizers[id(t)] for t in self.tokenizers],
-                "dataset": dataset_fingerprint(self._table("train").rows),
-                "reward_func": callable_fingerprint(self.reward_func),
-                "reward_processor": callable_fingerprint(self.reward_processor),
-                "formatters": [callable_fingerprint(f.source) for f in self.formatters],
-                "external_transition": callable_fingerprint(self.external_transition if self.transition else None),
-                **self._fingerprint_extra(),
-            }
-        fingerprints = dict(self._fingerprint_cache)
-        fixed = resumable_fields(type(self.args))  # the config may be edited between train() calls
-        fingerprints["config"] = {k: v for k, v in self.args.to_dict().items() if k not in fixed}
-        return fingerprints
-
-    def _record(self) -> dict[str, Any]:
-        """The JSON state of a checkpoint (the manager adds RNG and optimizer state)."""
-        from .. import __version__
-
-        return {"run_id": self.run_id, "trainer": type(self).__name__, "counters": self.state.counters(),
-                "log_window": self.state.window.to_dict(), "num_train_epochs": self.args.num_train_epochs,
-                "wandb": self.wandb_identity, "config": self.args.to_dict(), "fingerprints": self._fingerprints(),
-                "comlrl_version": __version__, "algorithm": self._algorithm_state()}
-
-    def _algorithm_state(self) -> dict[str, Any]:
-        """Family-specific JSON state to save (e.g. a phase of a multi-phase algorithm)."""
-        return {}
-
-    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`_algorithm_state` saved."""
-
-    def _save(self, number: int, limit: Optional[int]) -> Path:
-        """Save checkpoint ``number`` (the files are written on the manager's thread)."""
-        self._check_finite_weights(number)
-        self.state.checkpoint = number
-        rng_states = dist.gather_objects(CheckpointManager.capture_rng(), self.dist)
-        return dist.main_process_first_result(
-            lambda: self.checkpoints.save(number, self._record(), self._slots(), rng_states, limit, self.run_id),
-            self.dist)
-
-    def _check_finite_weights(self, number: int) -> None:
-        for slot, module in self._slots().modules.items():
-            if not all(bool(torch.isfinite(p).all()) for p in module.parameters()):
-                raise TrainingError(f"checkpoint-{number} was not written: {slot} has non-finite weights (the last "
-                                    "optimizer step diverged). Lower the learning rate and resume from the previous "
-                                    "checkpoint.")
-
-    def _load_for_train(self, path: Union[str, os.PathLike]) -> int:
-        """Resume from ``path`` (comlrl's format or CoMLRL 1.4.3's); returns its checkpoint number."""
-        from ..checkpoint.legacy import is_legacy_checkpoint
-
-        path = Path(path)
-        if is_legacy_checkpoint(path):
-            from ..checkpoint.legacy_resume import resume_legacy
-
-            return resume_legacy(self, path)
-        state = self.checkpoints.load(path, self._slots(), self._fingerprints(), rank=self.dist.rank)
-        if state["world_size"] != self.dist.world_size and self.dist.is_main:
-            logger.warning("comlrl: %s was written by %d process(es) and resumes on %d: the run continues within "
-                           "float tolerance of the uninterrupted one, not bit for bit.", path, state["world_size"],
-                           self.dist.world_size)
-        self.backend.mark_stale()
-        self.run_id = state["run_id"]
-        self.state = TrainState.restore(state["counters"], state["log_window"])
-        self.wandb_identity = state["wandb"]
-        self._reset_pending()
-        self._load_algorithm_state(state["algorithm"])
-        logger.info("comlrl: resumed %s at epoch %d, env_step %d", path, self.state.epoch, self.state.env_step)
-        return self.state.checkpoint
-
-    def save_checkpoint(self, output_dir: Union[str, os.PathLike]) -> str:
-        """Write the current state as a checkpoint directory ``output_dir`` (CoMLRL's API) and
-        return its path; the trainer must be between buffers (not inside a failed train())."""
-        self._check_open()
-        target = Path(output_dir)
-        number = self.state.checkpoint + 1
-        self.state.checkpoint = number
-        self._check_finite_weights(number)
-        rng_states = dist.gather_objects(CheckpointManager.capture_rng(), self.dist)
-        return dist.main_process_first_result(
-            lambda: str(self.checkpoints.write_named(target, number, self._record(), self._slots(), rng_states)),
-            self.dist)
-
-    def load_checkpoint(self, checkpoint: Union[str, os.PathLike]) -> dict[str, int]:
-        """Restore a checkpoint into this trainer without training (CoMLRL's API); the next
-        train() continues from it. Returns its counters."""
-        self._check_open()
-        self._table("train")
-        self._load_for_train(checkpoint)
-        return self.state.counters()
-
-    # ------------------------------------------------------------------------------------------
-    # saving for use, closing
-    # ------------------------------------------------------------------------------------------
-    def save_model(self, output_dir: Union[str, os.PathLike], merge_adapters: bool = False) -> Path:
-        """Write every agent as a standard transformers directory ``output_dir/agent_i`` with its
-        tokenizer (``AutoModelForCausalLM.from_pretrained`` loads it). LoRA agents are written as PEFT
-        adapter directories, or with ``merge_adapters=True`` as plain models. Written to a hidden
-        sibling and renamed into place; under torchrun every process calls it and rank 0 writes."""
-        if not isinstance(merge_adapters, bool):
-            raise ConfigError(f"merge_adapters must be True or False, got {merge_adapters!r}.")
-        return dist.main_process_first_result(lambda: _write_agents(Path(output_dir), self._exported(),
-                                                                    merge_adapters), self.dist)
-
-    def _exported(self) -> list[tuple[str, torch.nn.Module, Any]]:
-        """``(folder, model, tokenizer)`` of everything :meth:`save_model` writes."""
-        return [(f"agent_{i}", m, t) for i, (m, t) in enumerate(zip(self.agents, self.tokenizers))]
 
     def close(self) -> None:
         """Finish any checkpoint write, unlock the checkpoint directory, stop rollout engines and
@@ -558,38 +361,3 @@ def _check_train_args(checkpoint_dir: Any, interval: Any, limit: Any, save_steps
             raise ConfigError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}.")
 
 
-@contextlib.contextmanager
-def _restored_rng():
-    """Run a block without changing any global random state (evaluation never shifts training)."""
-    from ..checkpoint.rng import capture_rng_state, restore_rng_state
-
-    saved = capture_rng_state()
-    try:
-        yield
-    finally:
-        restore_rng_state(*saved)
-
-
-def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool) -> Path:
-    from ..adapters import AdapterAgent
-
-    if target.exists() and (not target.is_dir() or any(not re.fullmatch(r"(agent|critic)_\d+", p.name)
-                                                       for p in target.iterdir())):
-        raise ConfigError(f"save_model: {target} exists and holds more than agent_* folders (metrics, checkpoints?); "
-                          "nothing was written. Choose an empty or new directory.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
-    try:
-        for folder, model, tokenizer in exported:
-            if isinstance(model, AdapterAgent):
-                model.save_pretrained(tmp / folder, merged=merge_adapters)
-            else:
-                model.save_pretrained(tmp / folder)
-            if hasattr(tokenizer, "save_pretrained"):
-                tokenizer.save_pretrained(tmp / folder)
-        fsync_tree(tmp)
-        move_into_place(tmp, target)  # replaces an earlier save_model only after the new one is whole
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target

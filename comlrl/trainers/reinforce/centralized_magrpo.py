@@ -8,7 +8,7 @@ MAGRPO loss. ``num_agents`` counts the roles; one model trains.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ...engine.prompts import build_formatter_list
 from ...engine.roles import RoleReward, RoleSplit

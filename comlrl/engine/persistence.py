@@ -1,0 +1,173 @@
+"""What a trainer saves and loads: checkpoints through :class:`comlrl.checkpoint.CheckpointManager`
+(its fingerprints, record and resume, also from CoMLRL 1.4.3) and ``save_model`` exports."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+from .._io import fsync_tree, move_into_place
+from ..checkpoint.fingerprint import (callable_fingerprint, dataset_fingerprint, model_fingerprint,
+                                      tokenizer_fingerprint)
+from ..checkpoint.manager import CheckpointManager
+from ..exceptions import ConfigError, TrainingError
+from . import distributed as dist
+from .config import resumable_fields
+from .state import TrainState
+
+__all__ = ["Persistence"]
+
+logger = logging.getLogger("comlrl")
+
+
+class Persistence:
+    """Checkpoint and export methods of :class:`comlrl.engine.trainer.Trainer`."""
+
+    def _fingerprints(self) -> dict[str, Any]:
+        """What a resumed run must share with this one (computed once: hashing a large tokenizer or
+        dataset at every save would cost more than the save)."""
+        if self._fingerprint_cache is None:
+            tokenizers = {id(t): tokenizer_fingerprint(t) for t in {id(t): t for t in self.tokenizers}.values()}
+            fixed = resumable_fields(type(self.args))
+            self._fingerprint_cache = {
+                "trainer": type(self).__name__,
+                "config": {k: v for k, v in self.args.to_dict().items() if k not in fixed},
+                "num_agents": self.num_agents,
+                "models": [model_fingerprint(m) for m in self.agents],
+                "tokenizers": [tokenizers[id(t)] for t in self.tokenizers],
+                "dataset": dataset_fingerprint(self._table("train").rows),
+                "reward_func": callable_fingerprint(self.reward_func),
+                "reward_processor": callable_fingerprint(self.reward_processor),
+                "formatters": [callable_fingerprint(f.source) for f in self.formatters],
+                "external_transition": callable_fingerprint(self.external_transition if self.transition else None),
+                **self._fingerprint_extra(),
+            }
+        fingerprints = dict(self._fingerprint_cache)
+        fixed = resumable_fields(type(self.args))  # the config may be edited between train() calls
+        fingerprints["config"] = {k: v for k, v in self.args.to_dict().items() if k not in fixed}
+        return fingerprints
+
+    def _record(self) -> dict[str, Any]:
+        """The JSON state of a checkpoint (the manager adds RNG and optimizer state)."""
+        from .. import __version__
+
+        return {"run_id": self.run_id, "trainer": type(self).__name__, "counters": self.state.counters(),
+                "log_window": self.state.window.to_dict(), "num_train_epochs": self.args.num_train_epochs,
+                "wandb": self.wandb_identity, "config": self.args.to_dict(), "fingerprints": self._fingerprints(),
+                "comlrl_version": __version__, "algorithm": self._algorithm_state()}
+
+    def _algorithm_state(self) -> dict[str, Any]:
+        """Family-specific JSON state to save (e.g. a phase of a multi-phase algorithm)."""
+        return {}
+
+    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`_algorithm_state` saved."""
+
+    def _save(self, number: int, limit: Optional[int]) -> Path:
+        """Save checkpoint ``number`` (the files are written on the manager's thread)."""
+        self._check_finite_weights(number)
+        self.state.checkpoint = number
+        rng_states = dist.gather_objects(CheckpointManager.capture_rng(), self.dist)
+        return dist.main_process_first_result(
+            lambda: self.checkpoints.save(number, self._record(), self._slots(), rng_states, limit, self.run_id),
+            self.dist)
+
+    def _check_finite_weights(self, number: int) -> None:
+        for slot, module in self._slots().modules.items():
+            if not all(bool(torch.isfinite(p).all()) for p in module.parameters()):
+                raise TrainingError(f"checkpoint-{number} was not written: {slot} has non-finite weights (the last "
+                                    "optimizer step diverged). Lower the learning rate and resume from the previous "
+                                    "checkpoint.")
+
+    def _load_for_train(self, path: Union[str, os.PathLike]) -> int:
+        """Resume from ``path`` (comlrl's format or CoMLRL 1.4.3's); returns its checkpoint number."""
+        from ..checkpoint.legacy import is_legacy_checkpoint
+
+        path = Path(path)
+        if is_legacy_checkpoint(path):
+            from ..checkpoint.legacy_resume import resume_legacy
+
+            return resume_legacy(self, path)
+        state = self.checkpoints.load(path, self._slots(), self._fingerprints(), rank=self.dist.rank)
+        if state["world_size"] != self.dist.world_size and self.dist.is_main:
+            logger.warning("comlrl: %s was written by %d process(es) and resumes on %d: the run continues within "
+                           "float tolerance of the uninterrupted one, not bit for bit.", path, state["world_size"],
+                           self.dist.world_size)
+        self.backend.mark_stale()
+        self.run_id = state["run_id"]
+        self.state = TrainState.restore(state["counters"], state["log_window"])
+        self.wandb_identity = state["wandb"]
+        self._reset_pending()
+        self._load_algorithm_state(state["algorithm"])
+        logger.info("comlrl: resumed %s at epoch %d, env_step %d", path, self.state.epoch, self.state.env_step)
+        return self.state.checkpoint
+
+    def save_checkpoint(self, output_dir: Union[str, os.PathLike]) -> str:
+        """Write the current state as a checkpoint directory ``output_dir`` (CoMLRL's API) and
+        return its path; the trainer must be between buffers (not inside a failed train())."""
+        self._check_open()
+        target = Path(output_dir)
+        number = self.state.checkpoint + 1
+        self.state.checkpoint = number
+        self._check_finite_weights(number)
+        rng_states = dist.gather_objects(CheckpointManager.capture_rng(), self.dist)
+        return dist.main_process_first_result(
+            lambda: str(self.checkpoints.write_named(target, number, self._record(), self._slots(), rng_states)),
+            self.dist)
+
+    def load_checkpoint(self, checkpoint: Union[str, os.PathLike]) -> dict[str, int]:
+        """Restore a checkpoint into this trainer without training (CoMLRL's API); the next
+        train() continues from it. Returns its counters."""
+        self._check_open()
+        self._table("train")
+        self._load_for_train(checkpoint)
+        return self.state.counters()
+
+    # ------------------------------------------------------------------------------------------
+    # saving for use, closing
+    # ------------------------------------------------------------------------------------------
+    def save_model(self, output_dir: Union[str, os.PathLike], merge_adapters: bool = False) -> Path:
+        """Write every agent as a standard transformers directory ``output_dir/agent_i`` with its
+        tokenizer (``AutoModelForCausalLM.from_pretrained`` loads it). LoRA agents are written as PEFT
+        adapter directories, or with ``merge_adapters=True`` as plain models. Written to a hidden
+        sibling and renamed into place; under torchrun every process calls it and rank 0 writes."""
+        if not isinstance(merge_adapters, bool):
+            raise ConfigError(f"merge_adapters must be True or False, got {merge_adapters!r}.")
+        return dist.main_process_first_result(lambda: _write_agents(Path(output_dir), self._exported(),
+                                                                    merge_adapters), self.dist)
+
+    def _exported(self) -> list[tuple[str, torch.nn.Module, Any]]:
+        """``(folder, model, tokenizer)`` of everything :meth:`save_model` writes."""
+        return [(f"agent_{i}", m, t) for i, (m, t) in enumerate(zip(self.agents, self.tokenizers))]
+
+
+def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool) -> Path:
+    from ..adapters import AdapterAgent
+
+    if target.exists() and (not target.is_dir() or any(not re.fullmatch(r"(agent|critic)_\d+", p.name)
+                                                       for p in target.iterdir())):
+        raise ConfigError(f"save_model: {target} exists and holds more than agent_* folders (metrics, checkpoints?); "
+                          "nothing was written. Choose an empty or new directory.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        for folder, model, tokenizer in exported:
+            if isinstance(model, AdapterAgent):
+                model.save_pretrained(tmp / folder, merged=merge_adapters)
+            else:
+                model.save_pretrained(tmp / folder)
+            if hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(tmp / folder)
+        fsync_tree(tmp)
+        move_into_place(tmp, target)  # replaces an earlier save_model only after the new one is whole
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
