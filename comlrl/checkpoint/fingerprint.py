@@ -60,12 +60,37 @@ def dataset_fingerprint(rows: Iterable[Any]) -> str:
     return f"{count}:{h.hexdigest()[:16]}"
 
 
+def _plain_value(value: Any) -> Any:
+    """A JSON-ready stand-in for a value a function reads: the value itself when it is plain data
+    (numbers, strings, containers of them), else its type's name (a module, a model, a tokenizer:
+    what it computes is not hashed here)."""
+    try:
+        json.dumps(value, sort_keys=True, allow_nan=True)
+        return value
+    except (TypeError, ValueError):
+        kind = type(value)
+        return f"<{kind.__module__}.{kind.__qualname__}>"
+
+
+def _outside_values(func: Callable) -> Any:
+    """The plain values a function reads from its closure and its module's globals."""
+    try:
+        found = inspect.getclosurevars(func)
+    except (TypeError, ValueError):
+        return None
+    def plain(values):
+        return {k: _plain_value(v) for k, v in sorted(values.items()) if not callable(v) or isinstance(v, type)}
+    return {"nonlocals": plain(found.nonlocals), "globals": plain(found.globals)}
+
+
 def callable_fingerprint(func: Optional[Callable]) -> Optional[str]:
-    """Qualified name plus a digest of the source (or bytecode) of a user function.
+    """Qualified name plus a digest of the source (or bytecode) of a user function, and of the
+    plain values (numbers, strings, lists, dicts) it reads from its closure or module globals.
 
     Stable across processes: ``functools.partial`` objects are described by their function and
     arguments, callable instances by their class's ``__call__`` and their attributes, never by
-    ``repr`` (which holds a memory address).
+    ``repr`` (which holds a memory address). Not covered: what other functions it calls compute,
+    and objects that are not plain data (a model, a tokenizer, a file it reads).
     """
     if func is None:
         return None
@@ -84,6 +109,8 @@ def callable_fingerprint(func: Optional[Callable]) -> Optional[str]:
     except (OSError, TypeError):
         code = getattr(target, "__code__", None)
         body = code.co_code.hex() if code is not None else name
+    if inspect.isfunction(target):
+        body += json.dumps(_outside_values(target), sort_keys=True, default=repr)
     return f"{name}:{hashlib.sha256(body.encode('utf-8')).hexdigest()[:16]}"
 
 

@@ -47,6 +47,15 @@ class Slots:
                 | {f"{s}/optimizer.safetensors" for s in self.optimizers})
 
 
+_HYPER = ("betas", "eps", "weight_decay", "initial_lr", "amsgrad", "maximize")
+
+
+def _hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """What of an optimizer's groups the config decides (not the step-dependent learning rate)."""
+    return [{k: (list(g[k]) if isinstance(g.get(k), tuple) else g.get(k)) for k in _HYPER if k in g}
+            for g in optimizer.param_groups]
+
+
 def read_checkpoint(path: str | os.PathLike, expected: Optional[set[str]] = None) -> dict[str, Any]:
     """Verify checkpoint ``path`` (every file's hash; exactly ``expected`` files if given) and
     return its validated state."""
@@ -199,13 +208,6 @@ class CheckpointManager:
         doomed = mine[: max(0, len(mine) - (limit - 1))]
         files.remove_checkpoints(doomed)
 
-    def failed(self) -> Optional[CheckpointError]:
-        """The error of a finished write that failed (then cleared), else None: checked at every
-        step boundary, so that a full disk stops the run at the next step, not a save later."""
-        if self._pending is None or not self._pending[1].done():
-            return None
-        return self._collect()
-
     def _collect(self) -> Optional[CheckpointError]:
         number, future = self._pending  # type: ignore[misc]
         self._pending = None
@@ -255,7 +257,11 @@ class CheckpointManager:
         for slot, module in slots.modules.items():
             files.load_module(path, slot, module)
         for slot, optimizer in slots.optimizers.items():
+            expected = _hyper(optimizer)
             files.load_optimizer(path, slot, optimizer, state["optimizers"][slot])
+            if _hyper(optimizer) != expected:
+                raise CheckpointError(f"checkpoint {path}: optimizers[{slot!r}] holds hyper-parameters "
+                                      f"{_hyper(optimizer)} where this run's config gives {expected} (edited?).")
         for slot, scheduler in slots.schedulers.items():
             try:
                 scheduler.load_state_dict(state["schedulers"][slot])

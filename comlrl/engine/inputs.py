@@ -21,7 +21,7 @@ from ..exceptions import ConfigError, TokenizerError
 from ..schedulers.device_scheduler import DeviceScheduler, check_available
 
 __all__ = ["ResolvedAgents", "resolve_agents", "agent_count", "model_kwargs", "infer_model_name", "eos_token_ids",
-           "frozen_copies", "check_tokenizers_usable"]
+           "frozen_copies", "check_tokenizers_usable", "check_context"]
 
 logger = logging.getLogger("comlrl")
 
@@ -167,6 +167,16 @@ def _check_tokenizer(i: int, tok: Any, model: torch.nn.Module) -> None:
         raise TokenizerError(f"agent {i}'s tokenizer has {size} tokens but its model's embedding has only {rows} "
                              "rows: they do not belong together. Pass the matching tokenizer (one per agent: "
                              "tokenizer=[tok_a, tok_b, ...]).")
+
+
+def check_context(models: Sequence[torch.nn.Module], max_new_tokens: int) -> None:
+    """``max_new_tokens`` must leave room for a prompt in every model's context window."""
+    for i, model in enumerate(models):
+        config = getattr(model, "config", None)
+        window = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if isinstance(window, int) and max_new_tokens >= window:
+            raise ConfigError(f"max_new_tokens={max_new_tokens} does not fit agent {i}'s context of {window} "
+                              f"positions (prompt and completion together); set max_new_tokens below {window}.")
 
 
 def check_tokenizers_usable(tokenizers: Sequence[Any]) -> None:

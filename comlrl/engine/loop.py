@@ -93,8 +93,6 @@ class RunLoop:
         t = self.t
         epoch, order = t.state.epoch, t.epoch_order(t.state.epoch)
         while t.state.items_in_epoch < len(order):
-            failure = t.checkpoints.failed() if t.dist.is_main else None
-            dist.main_process_first_result(lambda: _raise(failure), t.dist)
             start = t.state.items_in_epoch
             indices = order[start:start + self.args.rollout_buffer_size]
             self._evaluate_if_due(start, len(indices), len(order))
@@ -182,7 +180,3 @@ class RunLoop:
         finally:
             bar.close()
 
-
-def _raise(error: Optional[BaseException]) -> None:
-    if error is not None:
-        raise error

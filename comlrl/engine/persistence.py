@@ -79,6 +79,12 @@ class Persistence:
             lambda: self.checkpoints.save(number, self._record(), self._slots(), rng_states, limit, self.run_id),
             self.dist)
 
+    def _settle_checkpoint(self) -> None:
+        """Before an optimizer step: the checkpoint being written in the background must be on disk.
+        Its write overlaps the step's rollout and backward; a failed write (a full disk) stops the
+        run here, naming the checkpoint, before any weight changes after it."""
+        dist.main_process_first_result(self.checkpoints.wait, self.dist)
+
     def _check_finite_weights(self, number: int) -> None:
         for slot, module in self._slots().modules.items():
             if not all(bool(torch.isfinite(p).all()) for p in module.parameters()):

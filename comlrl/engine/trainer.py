@@ -26,7 +26,7 @@ from . import distributed as dist
 from .collect import Collector, PromptBatch
 from .episode import ExternalTransition
 from .evaluation import Evaluation
-from .inputs import agent_count, check_tokenizers_usable, frozen_copies, resolve_agents
+from .inputs import agent_count, check_context, check_tokenizers_usable, frozen_copies, resolve_agents
 from .loop import RunLoop
 from .persistence import Persistence
 from .prompts import PromptTable, build_formatter_list
@@ -70,6 +70,7 @@ class Trainer(Evaluation, Persistence):
         self.num_agents, self.model_name = len(self.agents), resolved.model_name
         self.agent_devices, self.device = list(resolved.devices), resolved.devices[0]
         self._warn_count(count)
+        check_context(self.agents, self.args.max_new_tokens)
         self.reward_func, self.reward_processor = reward_func, reward_processor
         self.reward = RewardFunction(reward_func, self._reward_arity(), reward_processor)
         self.formatters = build_formatter_list(formatters, self._prompted_count())

@@ -204,6 +204,7 @@ class MAGRPOTrainer(Trainer):
         totals = dist.all_reduce_sum([v for s in losses for v in ((s.loss, s.kl_sum, s.rows) if s else (0, 0, 0))],
                                      self.dist)
         learning_rate = self.schedulers[0].get_last_lr()[0]  # the rate this step is taken with
+        self._settle_checkpoint()
         norms = apply_gradients(self.agents, self.optimizers, self.schedulers, args.max_grad_norm, self.dist,
                                 args.nonfinite, f"optimizer step {self.state.global_step + 1}")
         self.backend.mark_stale()
