@@ -18,7 +18,7 @@ os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from comlrl import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
-from comlrl import checkpoint as ckpt  # noqa: E402
+from comlrl.checkpoint import files as ckpt  # noqa: E402
 from comlrl.testing import tiny_model_dir  # noqa: E402
 from peers.common import PROMPTS, reward  # noqa: E402  (benchmarks/ is on sys.path: scripts run from here)
 
@@ -35,19 +35,22 @@ def main() -> None:
             tokenizer=AutoTokenizer.from_pretrained(path),
             reward_func=reward,
             train_dataset=[{"prompt": p} for p in PROMPTS],
-            args=MAGRPOConfig(num_train_epochs=1, max_new_tokens=8, agent_learning_rate=1e-3, output_dir=tmp),
+            args=MAGRPOConfig(num_turns=1, num_train_epochs=1, max_new_tokens=8, agent_learning_rate=1e-3,
+                              output_dir=tmp),
         )
         trainer.train()
+        trainer.checkpoints.open(Path(tmp) / "ckpts", trainer.run_id, resumed_number=None)
         raw = sum(t.numel() * t.element_size() for m in trainer.agents for t in {p.data_ptr(): p for p in m.parameters()}.values())
         raw_opt = sum(v.numel() * v.element_size() for o in trainer.optimizers for s in o.state.values()
                       for v in s.values() if hasattr(v, "numel"))
         saves, loads = [], []
         for i in range(args.repeats):
             start = time.perf_counter()
-            saved = trainer._save(Path(tmp) / "ckpts", limit=1)
+            saved = trainer._save(trainer.state.checkpoint + 1, limit=1)
+            trainer.checkpoints.wait()  # the background write, committed
             saves.append(time.perf_counter() - start)
             start = time.perf_counter()
-            ckpt.load_checkpoint(saved, trainer.agents, trainer.optimizers, trainer.schedulers)
+            trainer.checkpoints.load(saved, trainer._slots(), trainer._fingerprints())
             loads.append(time.perf_counter() - start)
         size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
         state_json = (saved / ckpt.STATE_FILE).stat().st_size
@@ -56,9 +59,10 @@ def main() -> None:
           f"= {(raw + raw_opt) / 1e6:.3f} MB")
     print(f"checkpoint on disk: {size / 1e6:.3f} MB ({size / (raw + raw_opt):.3f}x raw; "
           f"trainer_state.json {state_json / 1e3:.1f} kB)")
-    print(f"save (write + fsync + sha256 + rename): median {statistics.median(saves) * 1e3:.1f} ms "
+    print(f"save (copy, write + fsync + sha256 + rename): median {statistics.median(saves) * 1e3:.1f} ms "
           f"over {args.repeats}")
-    print(f"load (verify sha256 + weights + optimizer + RNG): median {statistics.median(loads) * 1e3:.1f} ms")
+    print(f"load (verify sha256 + fields + weights + optimizer + RNG): median {statistics.median(loads) * 1e3:.1f} ms")
+    trainer.close()
 
 
 if __name__ == "__main__":

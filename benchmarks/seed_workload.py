@@ -40,8 +40,8 @@ def main() -> None:
             train_dataset=[{"prompt": p} for p in PROMPTS],
             args=MAGRPOConfig(num_train_epochs=args.epochs, num_generations=4,
                               max_new_tokens=args.max_new_tokens, logging_steps=1,
-                              train_batch_size=args.train_batch_size, num_turns=args.num_turns,
-                              joint_mode=args.joint_mode, output_dir=tmp),
+                              rollout_buffer_size=args.train_batch_size, num_turns=args.num_turns,
+                              early_termination_threshold=None, joint_mode=args.joint_mode, output_dir=tmp),
             external_transition=(lambda prompt, agent_completions: [f"{prompt} {c[:40]}" for c in agent_completions])
             if args.num_turns > 1 else None,
         )
@@ -54,14 +54,16 @@ def main() -> None:
         for key, value in row.items():
             if key.startswith("timing/"):
                 phases[key[7:]] = phases.get(key[7:], 0.0) + value
-    rows_per_step = args.train_batch_size * trainer.nodes_per_prompt * 4
-    tokens = sum(row[f"agent_{a}/completion_length"] * rows_per_step for row in rows for a in range(2))
+    from comlrl.functional import tree_size
+
+    nodes, joint = tree_size(args.num_turns, trainer._joint_per_node())
+    rows_per_step = args.train_batch_size * nodes * 4
+    tokens = sum(row[f"train/agent_{a}/completion_length"] * rows_per_step for row in rows for a in range(2))
     env_steps = rows[-1]["env_step"]
     print(f"seed workload: 2 x Qwen2 hidden {args.hidden}, {args.layers} layers, vocab 512; "
           f"{len(PROMPTS)} prompts x 4 generations, {args.max_new_tokens} new tokens, "
           f"train_batch_size {args.train_batch_size}, {args.epochs} epochs, num_turns {args.num_turns}, "
-          f"joint_mode {args.joint_mode} ({trainer.nodes_per_prompt} nodes, {trainer.joint_per_prompt} joint actions "
-          f"per prompt)")
+          f"joint_mode {args.joint_mode} ({nodes} nodes, {joint} joint actions per prompt)")
     print(f"seconds per epoch: {elapsed / args.epochs:.3f}    seconds per optimizer step: "
           f"{elapsed / rows[-1]['global_step']:.3f}")
     print(f"env_steps/s: {env_steps / elapsed:.1f}    generated tokens/s: {tokens / elapsed:.0f}")

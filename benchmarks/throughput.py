@@ -74,8 +74,8 @@ def run_ours(argv: list[str]) -> None:
             args=MAGRPOConfig(num_turns=1, num_train_epochs=args.epochs, num_generations=k,
                               max_new_tokens=args.max_new_tokens, agent_learning_rate=args.lr,
                               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed, logging_steps=1, train_batch_size=1, device="cpu",
-                              output_dir=str(ckpt)),
+                              seed=args.seed, logging_steps=1, rollout_buffer_size=1, agent_devices="cpu",
+                              advantage_normalization=False, eval_interval=0, output_dir=str(ckpt)),
         )
         start = time.perf_counter()
         if args.checkpoint:
@@ -92,10 +92,10 @@ def run_ours(argv: list[str]) -> None:
                 phases[key[7:]] = phases.get(key[7:], 0.0) + value
     # The last save's time is never logged (a save shows up in the next row): take it from the
     # unlogged window when the trainer has one.
-    window = getattr(getattr(trainer, "state", None), "log_window", None) or {}
+    window = trainer.state.window.sums
     if "timing/checkpoint" in window:
         phases["checkpoint"] = phases.get("checkpoint", 0.0) + window["timing/checkpoint"]
-    tokens = sum(row[f"agent_{a}/completion_length"] * k for row in rows for a in range(2))
+    tokens = sum(row[f"train/agent_{a}/completion_length"] * k for row in rows for a in range(2))
     env_steps = rows[-1]["env_step"]
     emit({
         "framework": "comlrl (this tree)", "epochs": args.epochs, "elapsed_s": elapsed,

@@ -70,6 +70,7 @@ def _worker(run_dir: Path, *args: str, env=None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_two_processes_on_one_directory(make_trainer, tmp_path):
     """A second process is refused at once; the first finishes with every checkpoint and row, and
     resuming it is exact. A kill -9 releases the lock."""
@@ -249,6 +250,7 @@ def test_huge_rewards_stop_at_once_or_skip_when_asked(make_trainer, tmp_path):
 
 # --- 6. a failed write ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_at_the_next_step_with_the_previous_checkpoint_intact(tmp_path):
     d = tmp_path / "full-disk"
     worker = _worker(d, "--epochs", "4", "--fail-after", "1")

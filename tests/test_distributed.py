@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+
+pytestmark = pytest.mark.slow  # the fast suite: pytest -m "not slow"
 WORKER = Path(__file__).with_name("dist_worker.py")
 TIMING = "timing/"
 

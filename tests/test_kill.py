@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+
+pytestmark = pytest.mark.slow  # the fast suite: pytest -m "not slow"
 WORKER = Path(__file__).with_name("kill_worker.py")
 TRIALS = int(os.environ.get("COMLRL_KILL_TRIALS", "6"))
 

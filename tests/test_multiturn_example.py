@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_multi_turn_example_learns(tmp_path):
     result = subprocess.run([sys.executable, str(ROOT / "examples" / "multi_turn_refine.py"), "--epochs", "30",
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)

@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_seed_example_trains_checkpoints_and_resumes_into_one_wandb_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
     env.update(COMLRL_DISABLE_PROGRESS="1", MPLBACKEND="Agg", NETRC=str(tmp_path / "no-netrc"))

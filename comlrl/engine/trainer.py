@@ -62,8 +62,11 @@ class Trainer(Evaluation, Persistence):
                               "or set num_turns=1.")
         self.model_config = dict(model_config or {})
         self.dist = dist.init_distributed(use_cuda=_wants_cuda(self.args.agent_devices, count))
-        resolved = resolve_agents(agent_model, agents, count, tokenizer, self.model_config,
-                                  self.args.agent_devices, peft_config, self.args.seed)
+        devices = self.args.agent_devices
+        if self.dist.enabled and devices in (None, "auto") and torch.cuda.is_available():
+            devices = "cuda"  # under torchrun, automatic placement is this process's GPU (cuda:LOCAL_RANK)
+        resolved = resolve_agents(agent_model, agents, count, tokenizer, self.model_config, devices, peft_config,
+                                  self.args.seed)
         self._resolved = resolved
         self.agents, self.tokenizers = list(resolved.models), list(resolved.tokenizers)
         self.tokenizer = self.tokenizers[0]
