@@ -17,9 +17,9 @@ Why the adapter switch goes through this module: peft's ``set_adapter`` (0.21) s
 ``requires_grad=False`` on every adapter but the active one, and ``disable_adapter()`` leaves only the
 active one trainable on exit. Agent i's adapter would then be frozen whenever another agent ran last,
 and a trainer that builds optimizers from ``[p for p in m.parameters() if p.requires_grad]`` would give
-every agent but the last an empty optimizer. Here each agent's trainable flags are recorded once and
-restored after every switch; an adapter that is not active takes no part in the forward, so its
-gradients stay ``None`` whatever its flag says.
+every agent but the last an empty optimizer. So after every switch every agent's adapter is made
+trainable again with peft's own ``set_requires_grad``; an adapter that is not active takes no part
+in the forward, so its gradients stay ``None`` whatever its flag says.
 
 peft is optional: ``pip install 'comlrl[peft]'``.
 """
@@ -153,31 +153,26 @@ def _no_match_message(base: torch.nn.Module, peft_config: Any) -> str:
 # ------------------------------------------------------------------------------------------------
 
 class _AdapterGroup:
-    """The trainable flags of every registered adapter of one PeftModel (holds no reference to it)."""
+    """Which adapters of one PeftModel train (holds no reference to it)."""
 
     def __init__(self) -> None:
-        self.flags: dict[str, list[tuple[torch.nn.Parameter, bool]]] = {}
+        self.trainable: list[str] = []
 
     def register(self, shared: torch.nn.Module, name: str, params: list[torch.nn.Parameter]) -> None:
-        if name in self.flags:
-            return
-        # peft decides which of this adapter's weights train (some variants freeze a part); read that
-        # off once by activating it, as peft itself would. An adapter made with inference_mode stays frozen.
-        shared.set_adapter(name)
-        frozen = bool(getattr(shared.peft_config[name], "inference_mode", False))
-        self.flags[name] = [(p, p.requires_grad and not frozen) for p in params]
-        self.restore()
+        # An adapter made with inference_mode stays frozen; every other one trains.
+        if name not in self.trainable and not getattr(shared.peft_config[name], "inference_mode", False):
+            self.trainable.append(name)
+        self.restore(shared)
 
-    def restore(self) -> None:
-        for entries in self.flags.values():
-            for param, flag in entries:
-                if param.requires_grad != flag:
-                    param.requires_grad_(flag)
+    def restore(self, shared: torch.nn.Module) -> None:
+        """Every trainable adapter trainable again (peft's switches leave only the active one so)."""
+        if self.trainable:
+            shared.set_requires_grad(self.trainable, requires_grad=True)
 
     def activate(self, shared: torch.nn.Module, name: str) -> None:
         if shared.active_adapter != name:
-            shared.set_adapter(name)  # also flips requires_grad of every adapter: undone by restore()
-            self.restore()
+            shared.set_adapter(name)  # peft freezes every other adapter: undone by restore()
+            self.restore(shared)
 
 
 _GROUPS: "weakref.WeakKeyDictionary[torch.nn.Module, _AdapterGroup]" = weakref.WeakKeyDictionary()
@@ -301,7 +296,7 @@ class AdapterAgent(torch.nn.Module):
             with self._shared.disable_adapter():
                 yield self
         finally:
-            _group(self._shared).restore()
+            _group(self._shared).restore(self._shared)
 
     # --- what a trainer reads off a model ---------------------------------------------------------
 

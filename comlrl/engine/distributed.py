@@ -1,7 +1,7 @@
 """Data parallelism over ``torch.distributed``, as launched by ``torchrun``.
 
-Every process holds every agent. The prompts of each micro-batch are split across processes, each
-process rolls out, scores and back-propagates its share, and the agents' gradients are summed
+Every process holds every agent. The prompts of each optimizer step are split across processes,
+each process rolls out, scores and back-propagates its share, and the agents' gradients are summed
 over processes (bucketed all-reduces per agent and optimizer step) before the identical AdamW step
 on every process. Weights therefore stay equal on all ranks without ever being sent again.
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..exceptions import ComlrlError, ConfigError
 
 __all__ = ["DistContext", "init_distributed", "shard", "gather_objects", "main_process_first_result",
-           "all_reduce_gradients", "all_reduce_sum", "broadcast_parameters", "barrier"]
+           "all_reduce_gradients", "all_reduce_sum", "broadcast_parameters"]
 
 logger = logging.getLogger("comlrl")
 T = TypeVar("T")
@@ -136,11 +136,6 @@ def main_process_first_result(fn: Callable[[], T], ctx: DistContext) -> T:
             raise value
         raise value if isinstance(value, ComlrlError) else ComlrlError(f"rank 0 failed: {value!r}")
     return value
-
-
-def barrier(ctx: DistContext) -> None:
-    if ctx.enabled:
-        dist.barrier()
 
 
 def broadcast_parameters(modules: Iterable[torch.nn.Module], ctx: DistContext) -> None:
