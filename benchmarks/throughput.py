@@ -1,6 +1,6 @@
 """Throughput of the seed workload on three tiny models, optionally side by side with peers.
 
-    python benchmarks/throughput.py [--models a,b,c] [--epochs 3] [--quick]
+    python benchmarks/throughput.py [--models a,b,c] [--trainers magrpo,iac,maac] [--epochs 3] [--quick]
         [--comlrl-python /tmp/venv-comlrl143/bin/python] [--trl-python /tmp/venv-trl/bin/python]
 
 The seed workload: 2 agents, the 4 seed prompts, num_generations 4, 1 turn, the length-ratio reward,
@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
 sys.path.insert(0, str(PEERS))
-from common import PROMPTS, emit, parser as runner_parser, peak_rss_mb, reward, setup  # noqa: E402
+from common import PROMPTS, TRAINERS, emit, parser as runner_parser, peak_rss_mb, reward, setup  # noqa: E402
 
 MODELS = {
     "a": dict(label="Qwen2 h64 l2, vocab 512", max_new_tokens=64, quick_tokens=8),
@@ -63,20 +63,27 @@ def run_ours(argv: list[str]) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from comlrl import MAGRPOConfig, MAGRPOTrainer
+    from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
 
     k = args.num_generations
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"  # checkpoints and metrics.jsonl
-        trainer = MAGRPOTrainer(
-            agents=[AutoModelForCausalLM.from_pretrained(args.model_dir) for _ in range(2)],
-            tokenizer=AutoTokenizer.from_pretrained(args.model_dir), reward_func=reward,
-            train_dataset=[{"prompt": p} for p in prompts],
-            args=MAGRPOConfig(num_turns=1, num_train_epochs=args.epochs, num_generations=k,
-                              max_new_tokens=args.max_new_tokens, agent_learning_rate=args.lr,
-                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed, logging_steps=1, rollout_buffer_size=1, agent_devices="cpu",
-                              advantage_normalization=False, eval_interval=0, output_dir=str(ckpt)),
-        )
+        common = dict(num_turns=1, num_train_epochs=args.epochs, num_generations=k,
+                      max_new_tokens=args.max_new_tokens, agent_learning_rate=args.lr,
+                      temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                      logging_steps=1, agent_devices="cpu", advantage_normalization=False, eval_interval=0,
+                      output_dir=str(ckpt))
+        inputs = dict(agents=[AutoModelForCausalLM.from_pretrained(args.model_dir) for _ in range(2)],
+                      tokenizer=AutoTokenizer.from_pretrained(args.model_dir), reward_func=reward,
+                      train_dataset=[{"prompt": p} for p in prompts])
+        # Actor-critic buffers count samples: K samples = one prompt per optimizer step, as MAGRPO's 1.
+        ac = dict(rollout_buffer_size=k, train_batch_size=k, critic_learning_rate=args.lr, critic_devices="cpu")
+        if args.trainer == "iac":
+            trainer = IACTrainer(critic_model=args.model_dir, args=IACConfig(**common, **ac), **inputs)
+        elif args.trainer == "maac":
+            trainer = MAACTrainer(critic_model=args.model_dir, args=MAACConfig(**common, **ac), **inputs)
+        else:
+            trainer = MAGRPOTrainer(args=MAGRPOConfig(**common, rollout_buffer_size=1), **inputs)
         start = time.perf_counter()
         if args.checkpoint:
             trainer.train(checkpoint_dir=ckpt, checkpoint_interval=1)
@@ -142,6 +149,20 @@ def describe(name: str, r: dict) -> list[str]:
     return lines
 
 
+def compare(runs: dict[str, dict]) -> None:
+    """Print each peer's time and memory relative to ours."""
+    ours = runs["comlrl (this tree)"]
+    if "error" in ours:
+        return
+    for name, r in runs.items():
+        if name.startswith("comlrl (this") or "error" in r:
+            continue
+        theirs = r["seconds_per_epoch"] * (2 if name.startswith("TRL") else 1)
+        note = " (2 x its 1-policy time)" if name.startswith("TRL") else ""
+        print(f"  vs {name:<21} speedup {theirs / ours['seconds_per_epoch']:5.2f}x in s/epoch{note}; "
+              f"peak memory ours/theirs {ours['peak_rss_mb'] / r['peak_rss_mb']:.2f}", flush=True)
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         run_ours(sys.argv[2:])
@@ -160,6 +181,8 @@ def main() -> None:
     p.add_argument("--trl-python", default=None, help="python of a venv with trl==1.16.0 (peer)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
+    p.add_argument("--trainers", default="magrpo", help="comma-separated subset of magrpo,iac,maac (default "
+                   "magrpo); TRL runs only with magrpo (it has no critic trainer)")
     args = p.parse_args()
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
     unknown = [k for k in keys if k not in MODELS]
@@ -177,36 +200,38 @@ def main() -> None:
           f"prompt, {'no checkpoints' if args.no_checkpoint else 'a checkpoint per epoch'}; {epochs} timed "
           f"epoch(s) per run, {args.threads} torch thread(s), each run in its own process", flush=True)
     results: dict[str, dict] = {}
+    trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
+    bad = [t for t in trainers if t not in TRAINERS]
+    if bad:
+        p.error(f"unknown trainer(s) {bad}; choose from {', '.join(TRAINERS)}")
     for key in keys:
         spec = MODELS[key]
         tokens = args.max_new_tokens or (spec["quick_tokens"] if args.quick else spec["max_new_tokens"])
-        print(f"\n({key}) {spec['label']}, max_new_tokens {tokens}", flush=True)
         try:
             path = model_dir(key)
         except ImportError as exc:
-            print(f"  skipped: {exc}", flush=True)
+            print(f"\n({key}) {spec['label']}: skipped: {exc}", flush=True)
             continue
-        runner_args = ["--model-dir", str(path), "--epochs", str(epochs), "--max-new-tokens", str(tokens),
-                       "--lr", str(args.lr), "--seed", str(args.seed), "--threads", str(args.threads),
-                       "--temperature", "1.0", "--top-k", "50", "--top-p", "1.0", "--num-generations", "4"]
-        if args.no_checkpoint:
-            runner_args.append("--no-checkpoint")
-        results[key] = {"model": spec["label"], "model_dir": str(path), "max_new_tokens": tokens, "runs": {}}
-        for name, python, script, extra in runners:
-            r = run_child(python, script, extra, runner_args, args.timeout)
-            results[key]["runs"][name] = r
-            for line in describe(name, r):
-                print(line, flush=True)
-        ours = results[key]["runs"]["comlrl (this tree)"]
-        if "error" in ours:
-            continue
-        for name, r in results[key]["runs"].items():
-            if name.startswith("comlrl (this") or "error" in r:
-                continue
-            theirs = r["seconds_per_epoch"] * (2 if name.startswith("TRL") else 1)
-            note = " (2 x its 1-policy time)" if name.startswith("TRL") else ""
-            print(f"  vs {name:<21} speedup {theirs / ours['seconds_per_epoch']:5.2f}x in s/epoch{note}; "
-                  f"peak memory ours/theirs {ours['peak_rss_mb'] / r['peak_rss_mb']:.2f}", flush=True)
+        for trainer in trainers:
+            label = "" if trainer == "magrpo" else f", {trainer.upper()} (critics: the same model)"
+            print(f"\n({key}) {spec['label']}, max_new_tokens {tokens}{label}", flush=True)
+            runner_args = ["--model-dir", str(path), "--epochs", str(epochs), "--max-new-tokens", str(tokens),
+                           "--lr", str(args.lr), "--seed", str(args.seed), "--threads", str(args.threads),
+                           "--temperature", "1.0", "--top-k", "50", "--top-p", "1.0", "--num-generations", "4",
+                           "--trainer", trainer]
+            if args.no_checkpoint:
+                runner_args.append("--no-checkpoint")
+            entry = results[key if trainer == "magrpo" else f"{key}-{trainer}"] = {
+                "model": spec["label"], "trainer": trainer, "model_dir": str(path), "max_new_tokens": tokens,
+                "runs": {}}
+            for name, python, script, extra in runners:
+                if name.startswith("TRL") and trainer != "magrpo":
+                    continue
+                r = run_child(python, script, extra, runner_args, args.timeout)
+                entry["runs"][name] = r
+                for line in describe(name, r):
+                    print(line, flush=True)
+            compare(entry["runs"])
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 

@@ -40,7 +40,7 @@ import torch
 from .exceptions import ConfigError
 from .checkpoint.fingerprint import _VOLATILE_CONFIG_KEYS, digest
 
-__all__ = ["AdapterAgent", "build_lora_agents", "base_fingerprint", "starts_at_base"]
+__all__ = ["AdapterAgent", "build_lora_agents", "add_adapters", "base_fingerprint", "starts_at_base"]
 
 _INSTALL_HINT = "pip install 'comlrl[peft]'"
 # Values hashed per base tensor by base_fingerprint: the first, the last and an evenly strided sample.
@@ -97,6 +97,22 @@ def build_lora_agents(base: torch.nn.Module, peft_config: Any, num_agents: int) 
     agents = [AdapterAgent(shared, name) for name in names]
     _group(shared).activate(shared, names[0])
     return agents
+
+
+def add_adapters(shared: torch.nn.Module, peft_config: Any, names: list[str]) -> list["AdapterAgent"]:
+    """More adapters (e.g. critics) on the PeftModel of existing agents, one per name, each a deep copy
+    of ``peft_config``, initialised in order from torch's global RNG."""
+    peft = _import_peft()
+    _check_peft_config(peft, peft_config)
+    taken = [n for n in names if n in shared.peft_config]
+    if taken:
+        raise ConfigError(f"adapter name(s) {taken} already exist on this model; choose other names.")
+    active = shared.active_adapter
+    for name in names:
+        shared.add_adapter(name, copy.deepcopy(peft_config))
+    added = [AdapterAgent(shared, name) for name in names]
+    _group(shared).activate(shared, active)
+    return added
 
 
 def _check_peft_config(peft, peft_config: Any) -> None:

@@ -36,6 +36,7 @@ parser.add_argument("--loss-type", default="grpo")
 parser.add_argument("--extra-prompt", action="store_true", help="5 prompts: the last micro-batch is uneven")
 parser.add_argument("--eval", action="store_true")
 parser.add_argument("--lora", action="store_true", help="LoRA agents on one shared base")
+parser.add_argument("--family", default="magrpo", choices=["magrpo", "iac", "iac-shared", "maac"])
 opts = parser.parse_args()
 
 prompts = SEED_PROMPTS + (["Name a color:"] if opts.extra_prompt else [])
@@ -54,28 +55,40 @@ if opts.lora:
                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
 else:
     models = dict(agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)])
-trainer = MAGRPOTrainer(
-    **models,
-    tokenizer=AutoTokenizer.from_pretrained(path),
-    reward_func=length_ratio_reward,
-    train_dataset=[{"prompt": p} for p in prompts],
-    eval_dataset=[{"prompt": p} for p in prompts] if opts.eval else None,
-    external_transition=refine if multi_turn else None,
-    args=MAGRPOConfig(**{**TEST_SETTINGS, "num_train_epochs": opts.epochs, "max_new_tokens": 10,
-                         "agent_learning_rate": 1e-3, "output_dir": str(opts.run_dir / "out"), "agent_devices": "cpu",
-                         "rollout_buffer_size": opts.train_batch_size,
-                         "micro_batch_size": opts.train_batch_size // opts.micro_batches if opts.micro_batches > 1
-                         else None, "num_turns": opts.num_turns,
-                         "early_termination_threshold": 0.5 if multi_turn else None, "loss_type": opts.loss_type,
-                         "eval_interval": 1 if opts.eval else 0}),
-)
+settings = {**TEST_SETTINGS, "num_train_epochs": opts.epochs, "max_new_tokens": 10, "agent_learning_rate": 1e-3,
+            "output_dir": str(opts.run_dir / "out"), "agent_devices": "cpu",
+            "rollout_buffer_size": opts.train_batch_size,
+            "micro_batch_size": opts.train_batch_size // opts.micro_batches if opts.micro_batches > 1 else None,
+            "num_turns": opts.num_turns, "early_termination_threshold": 0.5 if multi_turn else None,
+            "loss_type": opts.loss_type, "eval_interval": 1 if opts.eval else 0}
+common = dict(tokenizer=AutoTokenizer.from_pretrained(path), reward_func=length_ratio_reward,
+              train_dataset=[{"prompt": p} for p in prompts],
+              eval_dataset=[{"prompt": p} for p in prompts] if opts.eval else None,
+              external_transition=refine if multi_turn else None)
+if opts.family == "magrpo":
+    trainer = MAGRPOTrainer(**models, **common, args=MAGRPOConfig(**settings))
+else:
+    from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
+
+    # Actor-critic: buffers and steps count samples (K per prompt); K = 1 for several turns.
+    k = 1 if multi_turn else 2
+    ac = {k_: v for k_, v in settings.items() if k_ != "loss_type"}
+    ac.update(num_generations=k, rollout_buffer_size=opts.train_batch_size * k, critic_learning_rate=1e-3,
+              reference_kl_enabled=True, reference_kl_coef=0.05)
+    critic = {} if opts.family == "iac-shared" or opts.lora else {"critic_model": str(path)}
+    if opts.family == "maac":
+        trainer = MAACTrainer(**models, **critic, **common, args=MAACConfig(**ac))
+    else:
+        trainer = IACTrainer(**models, **critic, **common,
+                             args=IACConfig(use_separate_critic=opts.family != "iac-shared", **ac))
 trainer.train(resume_from_checkpoint=opts.resume, checkpoint_dir=opts.run_dir / "ckpt")
 trainer.save_model(opts.run_dir / "saved")
-tensors = {f"{i}.{n}": p.detach().contiguous() for i, m in enumerate(trainer.agents) for n, p in m.named_parameters()}
-for i, opt in enumerate(trainer.optimizers):
+slots = trainer._slots()
+tensors = {f"{s}.{n}": p.detach().contiguous() for s, m in slots.modules.items() for n, p in m.named_parameters()}
+for s, opt in slots.optimizers.items():
     for idx, st in opt.state_dict()["state"].items():
         for k, v in st.items():
-            tensors[f"{i}.opt.{idx}.{k}"] = v.detach().reshape(-1).contiguous()
+            tensors[f"{s}.opt.{idx}.{k}"] = v.detach().reshape(-1).contiguous()
 rank = trainer.dist.rank
 save_file(tensors, str(opts.run_dir / f"final-rank{rank}.safetensors"))
 record = {"world_size": trainer.dist.world_size, "env_step": trainer.state.env_step}

@@ -18,7 +18,7 @@ os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import comlrl.checkpoint.files as files  # noqa: E402
-import comlrl.trainers.reinforce.magrpo as magrpo  # noqa: E402
+import comlrl.engine.trainer as magrpo  # noqa: E402  (the optimizer step of every family)
 from comlrl import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 from comlrl.testing import tiny_model_dir  # noqa: E402
 

@@ -18,7 +18,7 @@ from comlrl import CheckpointDirError, CheckpointError, ConfigError, ResumeMisma
 from comlrl.checkpoint import files
 from comlrl.utils import find_latest_checkpoint
 
-from helpers import assert_bit_exact, length_ratio_reward, rows, state_of
+from helpers import assert_bit_exact, rows, state_of
 
 WORKER = Path(__file__).with_name("safety_worker.py")
 
@@ -195,7 +195,7 @@ def test_a_changed_closure_value_is_a_changed_reward(make_trainer, run):
 # --- 4. train() called again after an interruption ---------------------------------------------------
 
 def test_train_again_after_an_exception_equals_an_uninterrupted_run(make_trainer, tmp_path, monkeypatch):
-    import comlrl.trainers.reinforce.magrpo as magrpo
+    import comlrl.engine.trainer as magrpo
 
     settings = dict(num_train_epochs=2, rollout_buffer_size=2, train_batch_size=1)
     full = make_trainer(output_dir=str(tmp_path / "full"), **settings)
@@ -267,5 +267,8 @@ def test_a_full_disk_stops_the_run_at_the_next_step_with_the_previous_checkpoint
 # --- 7. limits checked up front --------------------------------------------------------------------
 
 def test_max_new_tokens_beyond_the_context_is_refused(make_trainer):
-    with pytest.raises(ConfigError, match="max_new_tokens=100000 does not fit agent 0's context of 1024"):
-        make_trainer(max_new_tokens=100_000)
+    # Refused before any sampling (construction accepts it: CoMLRL builds trainers with such settings).
+    trainer = make_trainer(max_new_tokens=100_000, trainer_kwargs={"eval_dataset": [{"prompt": "x"}]})
+    for call in (trainer.train, trainer.evaluate):
+        with pytest.raises(ConfigError, match="max_new_tokens=100000 does not fit agent 0's context of 1024"):
+            call()

@@ -152,3 +152,17 @@ def test_data_parallel_example_with_lora_and_kl(tmp_path):
     logged = [json.loads(line) for line in (tmp_path / "checkpoints" / "metrics.jsonl").read_text().splitlines()]
     assert [r["global_step"] for r in logged] == [1, 2, 3] and all("agent_1/reference_kl" in r for r in logged)
     assert (tmp_path / "final" / "agent_1" / "adapter_config.json").is_file()
+
+
+@pytest.mark.parametrize("family, extra", [("iac", ()), ("iac-shared", ("--num-turns", "2", "--micro-batches", "2")),
+                                           ("maac", ("--extra-prompt", "--eval"))])
+def test_actor_critic_two_processes_match_one(tmp_path, family, extra):
+    """Actor-critic runs (critics, value heads, reference KL, advantages standardised over both
+    processes' samples) are the same on 2 processes as on 1."""
+    args = ("--family", family, *extra)
+    run(tmp_path / "one", *args)
+    run(tmp_path / "two", *args, procs=2)
+    assert_close_runs(tmp_path / "one", tmp_path / "two")
+    w0, w1 = final(tmp_path / "two", 0), final(tmp_path / "two", 1)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)
+    assert any(k.startswith("critic-0.") for k in w0) == (family != "iac-shared")

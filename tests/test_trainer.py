@@ -75,7 +75,7 @@ def test_logging_steps_averages_the_window(make_trainer, tmp_path):
 
 def _gradients_of_first_step(trainer, monkeypatch):
     """Run one optimizer step and return each agent's gradient just before AdamW applies it."""
-    import comlrl.trainers.reinforce.magrpo as magrpo
+    import comlrl.engine.trainer as magrpo  # where the optimizer step of every family is taken
 
     captured = []
     apply = magrpo.apply_gradients
@@ -441,7 +441,7 @@ def test_save_model_writes_loadable_transformers_directories(make_trainer, tmp_p
 def test_save_model_never_deletes_other_files(make_trainer, tmp_path):
     trainer = make_trainer(num_train_epochs=1)
     trainer.train(checkpoint_dir=tmp_path / "ckpt")
-    with pytest.raises(ConfigError, match="holds more than agent_\\* folders"):
+    with pytest.raises(ConfigError, match="holds more than agent_\\* / critic folders"):
         trainer.save_model(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "checkpoint-1").is_dir() and (tmp_path / "ckpt" / "metrics.jsonl").is_file()
 

@@ -27,23 +27,34 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import comlrl
-    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    config = MAGRPOConfig(
-        num_train_epochs=args.epochs, agent_learning_rate=args.lr, num_agents=2, agent_devices="cpu",
-        num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_turns=1,
-        eval_interval=0, rollout_buffer_size=1, train_batch_size=1,
-        advantage_normalization=False, advantage_mode="mean", logging_steps=1,
-    )
-    trainer = MAGRPOTrainer(
-        agents=[AutoModelForCausalLM.from_pretrained(args.model_dir) for _ in range(2)],
-        tokenizer=tokenizer, reward_func=reward, args=config,
-        train_dataset=Dataset.from_dict({"prompt": prompts}),
-    )
+    common = dict(num_train_epochs=args.epochs, agent_learning_rate=args.lr, num_agents=2, agent_devices="cpu",
+                  num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_turns=1, eval_interval=0,
+                  advantage_normalization=False, logging_steps=1)
+    agents = [AutoModelForCausalLM.from_pretrained(args.model_dir) for _ in range(2)]
+    dataset = Dataset.from_dict({"prompt": prompts})
+    if args.trainer == "magrpo":
+        from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+        config = MAGRPOConfig(**common, rollout_buffer_size=1, train_batch_size=1, advantage_mode="mean")
+        trainer = MAGRPOTrainer(agents=agents, tokenizer=tokenizer, reward_func=reward, args=config,
+                                train_dataset=dataset)
+    else:
+        # Actor-critic: buffers count samples, so K samples = one prompt per optimizer step.
+        from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
+
+        k = args.num_generations
+        sizes = dict(rollout_buffer_size=k, train_batch_size=k, critic_learning_rate=args.lr, critic_devices="cpu")
+        if args.trainer == "iac":
+            trainer = IACTrainer(agents=agents, critic_model=args.model_dir, tokenizer=tokenizer, reward_func=reward,
+                                 args=IACConfig(**common, **sizes), train_dataset=dataset)
+        else:
+            trainer = MAACTrainer(agents=agents, critic_model=args.model_dir, tokenizer=tokenizer,
+                                  reward_func=reward, args=MAACConfig(**common, **sizes), train_dataset=dataset)
     assert all(p.device.type == "cpu" for m in trainer.agents for p in m.parameters())
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()

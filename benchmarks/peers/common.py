@@ -44,7 +44,12 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", action=argparse.BooleanOptionalAction, default=True,
                    help="save a checkpoint after every epoch (as the seed workload does)")
     p.add_argument("--prompts-json", default=None, help="JSON list of prompts (default: the 4 seed prompts)")
+    p.add_argument("--trainer", default="magrpo", choices=TRAINERS,
+                   help="magrpo; iac (a separate critic per agent, the same model); maac (one critic)")
     return p
+
+
+TRAINERS = ("magrpo", "iac", "maac")
 
 
 def setup(args) -> list[str]:

@@ -123,12 +123,17 @@ class Collector:
                 for a, ro in enumerate(rollouts)]
 
     def score(self, nodes: list[Node], completions: list[list[str]], batch: PromptBatch, joint: int) -> torch.Tensor:
-        """``[nodes * J]`` rewards: one reward call per node, with that task item's J joint actions."""
+        """``[nodes * J]`` rewards: one reward call per node, with that task item's J joint actions
+        (``[N, nodes * J]`` when the reward gives each agent its own)."""
         out = []
         for i, node in enumerate(nodes):
             part = [c[i * joint:(i + 1) * joint] for c in completions]
             out.append(self.reward(part, node.prompts[0], batch.rows[node.group]))
-        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+        if not out:
+            return torch.zeros(0, dtype=torch.float64)
+        if any(r.dim() == 2 for r in out):  # per-agent rewards (actor-critic): [N, nodes * J]
+            return torch.cat([r if r.dim() == 2 else r.expand(self.num_agents, -1) for r in out], dim=1)
+        return torch.cat(out)
 
     def next_prompts(self, node: Node, answer: list[str], row: dict[str, Any], turn: int) -> list[Any]:
         """The child node's prompts: the transition's, as they are (``passthrough``) or through each

@@ -42,8 +42,9 @@ class Turn:
     nodes: list[Node]
     rollouts: list[Rollout]            # [N], rows node-major: node i -> rows i*K .. i*K+K-1
     completions: list[list[str]]       # [N][nodes * J] each agent's completion in every joint action
-    rewards: torch.Tensor              # [nodes * J] float64, node-major
+    rewards: torch.Tensor              # [nodes * J] float64, node-major (the mean over agents of per-agent ones)
     children: list[Optional[int]] = field(default_factory=list)  # per joint action: child node or None
+    agent_rewards: Optional[torch.Tensor] = None  # [N, nodes * J] when the reward gave each agent its own
 
 
 class ExternalTransition:
@@ -116,7 +117,8 @@ def play_episodes(roots: list[Node], *, num_turns: int, joint_per_node: int, sam
         joint_per_node: J, joint actions per node.
         sample: ``nodes -> [N] Rollout`` (K rows per node, node-major), the rollout phase.
         joint: ``(rollouts, nodes) -> [N][nodes * J]`` completions of every joint action.
-        score: ``(nodes, completions, turn) -> [nodes * J]`` rewards, the score phase.
+        score: ``(nodes, completions, turn) -> [nodes * J]`` rewards (or ``[N, nodes * J]`` per agent),
+            the score phase.
         next_prompts: ``(node, answer, turn) -> [N]`` prompts of the child node (None: one turn).
         threshold: a node whose mean reward is above it does not continue (None: every node does).
     Returns:
@@ -130,7 +132,9 @@ def play_episodes(roots: list[Node], *, num_turns: int, joint_per_node: int, sam
         with timer("score"):
             completions = joint(rollouts, len(nodes))
             rewards = score(nodes, completions, turn_number)
-        turn = Turn(nodes, rollouts, completions, rewards)
+        per_agent = rewards if rewards.dim() == 2 else None
+        turn = Turn(nodes, rollouts, completions, rewards.mean(dim=0) if per_agent is not None else rewards,
+                    agent_rewards=per_agent)
         turns.append(turn)
         children: list[Node] = []
         for i, node in enumerate(nodes):

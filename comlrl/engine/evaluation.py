@@ -10,7 +10,6 @@ from typing import Optional
 
 from . import distributed as dist
 from .collect import eval_seeds
-from .inputs import check_tokenizers_usable
 from .metrics import episode_metrics, merge_records, record_turns
 from .prompts import PromptTable
 
@@ -40,7 +39,7 @@ class Evaluation:
             logger.warning("comlrl: evaluate() without an eval_dataset returns nothing; pass eval_dataset=...")
             return {}
         self._check_open()
-        check_tokenizers_usable(self.tokenizers)
+        self._check_ready()
         table = self._table("eval")
         count = num_eval_samples if num_eval_samples is not None else self.args.eval_num_samples
         indices = list(range(len(table) if not count else min(count, len(table))))

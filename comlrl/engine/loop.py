@@ -94,7 +94,7 @@ class RunLoop:
         epoch, order = t.state.epoch, t.epoch_order(t.state.epoch)
         while t.state.items_in_epoch < len(order):
             start = t.state.items_in_epoch
-            indices = order[start:start + self.args.rollout_buffer_size]
+            indices = order[start:start + t._buffer_prompts()]
             self._evaluate_if_due(start, len(indices), len(order))
             steps_before = t.state.global_step
             timer = PhaseTimer(t.device)
@@ -170,8 +170,8 @@ class RunLoop:
         from tqdm.auto import tqdm
 
         t = self.t
-        size, batch = len(t.epoch_order(0)), self.args.rollout_buffer_size
-        per_epoch = sum(math.ceil(min(batch, size - s) / self.args.train_batch_size) for s in range(0, size, batch))
+        size, batch = len(t.epoch_order(0)), t._buffer_prompts()
+        per_epoch = sum(math.ceil(min(batch, size - s) / t._step_prompts()) for s in range(0, size, batch))
         disable = not t.verbose or not t.dist.is_main or os.environ.get("COMLRL_DISABLE_PROGRESS") == "1"
         bar = tqdm(total=self.args.num_train_epochs * per_epoch, initial=t.state.global_step, desc=t.algorithm_name,
                    unit="step", dynamic_ncols=True, disable=disable)

@@ -156,16 +156,17 @@ class Persistence:
 
 def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool) -> Path:
     from ..adapters import AdapterAgent
+    from ..models.actor_critic import unwrap_policy
 
-    if target.exists() and (not target.is_dir() or any(not re.fullmatch(r"(agent|critic)_\d+", p.name)
+    if target.exists() and (not target.is_dir() or any(not re.fullmatch(r"agent_\d+|critic(_\d+)?", p.name)
                                                        for p in target.iterdir())):
-        raise ConfigError(f"save_model: {target} exists and holds more than agent_* folders (metrics, checkpoints?); "
-                          "nothing was written. Choose an empty or new directory.")
+        raise ConfigError(f"save_model: {target} exists and holds more than agent_* / critic folders (metrics, "
+                          "checkpoints?); nothing was written. Choose an empty or new directory.")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
     try:
         for folder, model, tokenizer in exported:
-            if isinstance(model, AdapterAgent):
+            if isinstance(unwrap_policy(model), AdapterAgent):
                 model.save_pretrained(tmp / folder, merged=merge_adapters)
             else:
                 model.save_pretrained(tmp / folder)

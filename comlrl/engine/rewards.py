@@ -116,13 +116,14 @@ class RewardFunction:
         processor: ``float -> float`` applied to every reward it returns.
     """
 
-    def __init__(self, func: Callable, num_agents: int, processor: Optional[Callable[[float], float]] = None):
+    def __init__(self, func: Callable, num_agents: int, processor: Optional[Callable[[float], float]] = None,
+                 per_agent: bool = False):
         if not callable(func):
             raise RewardError(f"reward_func must be a callable: f(completions1, ..., completionsN) -> list of "
                               f"floats; got {type(func).__name__}.")
         if processor is not None and not callable(processor):
             raise RewardError(f"reward_processor must be callable (float -> float), got {type(processor).__name__}.")
-        self.func, self.processor, self.num_agents = func, processor, num_agents
+        self.func, self.processor, self.num_agents, self.per_agent = func, processor, num_agents, per_agent
         self.name = _name(func)
         self.call = plan_reward_call(func, num_agents) or RewardCall()
         self._check_binding()
@@ -150,7 +151,8 @@ class RewardFunction:
             prompt: the item's prompt (agent 0's, this turn), passed as ``prompts=[prompt]``.
             item: the dataset row, passed as ``batch_items=[item]``.
         Returns:
-            ``[J]`` float64 rewards (after ``reward_processor``).
+            ``[J]`` float64 rewards (after ``reward_processor``); with ``per_agent``, ``[N, J]`` when the
+            function gave each agent its own reward (see :meth:`_per_agent`).
         Raises:
             RewardError: the function raised, or returned anything but J finite numbers.
         """
@@ -160,7 +162,34 @@ class RewardFunction:
             values = self.func(*args, **kwargs)
         except Exception as exc:  # the user's code failed: say so, keep the original as the cause
             raise RewardError(f"reward function {self.name} raised {type(exc).__name__}: {exc}") from exc
-        rewards = check_rewards(to_float_list(values), count, f"reward function {self.name}")
+        values = to_float_list(values)
+        if self.per_agent:
+            split = self._per_agent(values, count)
+            if split is not None:
+                return torch.stack([self._finish(v, len(v)) for v in split])
+            if len(values) == 1 and count > 1:
+                values = values * count
+        return self._finish(values, count)
+
+    def _per_agent(self, values: list[Any], count: int) -> Optional[list[list[Any]]]:
+        """Per-agent rewards (actor-critic trainers), CoMLRL's conventions plus one: N lists of J
+        values (each agent's reward of every joint action); else N values when J != N (each agent's
+        reward, the same for its J joint actions). J values are the joint reward of each joint
+        action, as everywhere (when J == N, N values are read as that)."""
+        n = self.num_agents
+        if values and all(isinstance(v, (list, tuple)) or getattr(v, "ndim", 0) >= 1 for v in values):
+            rows = [to_float_list(v) for v in values]
+            if len(rows) != n or any(len(r) != count for r in rows):
+                raise RewardError(f"reward function {self.name} returned {len(rows)} lists of lengths "
+                                  f"{[len(r) for r in rows]}; per-agent rewards are {n} lists of {count} floats (one "
+                                  "per joint action).")
+            return rows
+        if n > 1 and len(values) == n and count != n:
+            return [[v] * count for v in values]
+        return None
+
+    def _finish(self, values: list[Any], count: int) -> torch.Tensor:
+        rewards = check_rewards(values, count, f"reward function {self.name}")
         if self.processor is not None:
             try:
                 processed = [self.processor(r) for r in rewards]

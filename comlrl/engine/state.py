@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-__all__ = ["TrainState", "LogWindow"]
+__all__ = ["TrainState", "LogWindow", "PlayedBuffer"]
 
 
 @dataclass
@@ -54,3 +54,19 @@ class TrainState:
         if window:
             state.window = LogWindow(dict(window["sums"]), dict(window["counts"]))
         return state
+
+
+@dataclass
+class PlayedBuffer:
+    """A buffer's played episodes and its progress through its optimizer steps. A family adds what
+    its steps need in ``data``; ``record`` is what the episode metrics need
+    (:func:`comlrl.engine.metrics.record_turns`)."""
+
+    turns: list[Any]
+    record: dict[str, Any]
+    data: dict[str, Any] = field(default_factory=dict)
+    extra_metrics: dict[str, float] = field(default_factory=dict)
+    epoch: int = -1
+    indices: list[int] = field(default_factory=list)
+    steps_done: int = 0
+    step_metrics: list[dict[str, float]] = field(default_factory=list)

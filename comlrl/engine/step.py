@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -59,6 +59,7 @@ class AgentRows:
     rollout: Rollout        # [R] rows, node-major, K rows per node
     returns: torch.Tensor   # [R] float64 return of each completion
     groups: torch.Tensor    # [R] int64 node of each row, 0 .. nodes-1
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # more [R, ...] per-row values (a family's)
 
     @property
     def num_groups(self) -> int:
@@ -73,7 +74,8 @@ class AgentRows:
         out = []
         for start in range(0, count, max_groups):
             keep = ((self.groups >= start) & (self.groups < start + max_groups)).nonzero().squeeze(1)
-            out.append(AgentRows(select_rows(self.rollout, keep), self.returns[keep], self.groups[keep] - start))
+            out.append(AgentRows(select_rows(self.rollout, keep), self.returns[keep], self.groups[keep] - start,
+                                 {k: v[keep.to(v.device)] for k, v in self.extras.items()}))
         return out
 
 

@@ -12,14 +12,15 @@ import contextlib
 import logging
 import os
 import uuid
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from ..checkpoint.manager import CheckpointManager, Slots
 from ..exceptions import ConfigError, TrainingError
-from ..rollout import SamplingParams, make_backend
+from ..functional.logprobs import sequence_log_probs
+from ..rollout import Rollout, SamplingParams, make_backend
 from ..tracking import WandbSink, check_wandb_config
 from ..tracking.wandb import verbose_from_wandb_config
 from . import distributed as dist
@@ -28,11 +29,13 @@ from .episode import ExternalTransition
 from .evaluation import Evaluation
 from .inputs import agent_count, check_context, check_tokenizers_usable, frozen_copies, resolve_agents
 from .loop import RunLoop
+from .metrics import episode_metrics, merge_records
 from .persistence import Persistence
 from .prompts import PromptTable, build_formatter_list
 from .rewards import RewardFunction
 from .settings import TrainerConfig
-from .state import TrainState
+from .state import PlayedBuffer, TrainState
+from .step import apply_gradients
 from .timing import PhaseTimer
 
 __all__ = ["Trainer"]
@@ -60,6 +63,7 @@ class Trainer(Evaluation, Persistence):
             raise ConfigError(f"num_turns={self.args.num_turns} needs an external_transition(prompt=..., "
                               "agent_completions=..., num_agents=...) returning the agents' next prompts; pass one "
                               "or set num_turns=1.")
+        self._early_checks(count)
         self.model_config = dict(model_config or {})
         self.dist = dist.init_distributed(use_cuda=_wants_cuda(self.args.agent_devices, count))
         devices = self.args.agent_devices
@@ -68,14 +72,15 @@ class Trainer(Evaluation, Persistence):
         resolved = resolve_agents(agent_model, agents, count, tokenizer, self.model_config, devices, peft_config,
                                   self.args.seed)
         self._resolved = resolved
-        self.agents, self.tokenizers = list(resolved.models), list(resolved.tokenizers)
+        self.tokenizers = list(resolved.tokenizers)
         self.tokenizer = self.tokenizers[0]
-        self.num_agents, self.model_name = len(self.agents), resolved.model_name
+        self.num_agents, self.model_name = len(resolved.models), resolved.model_name
         self.agent_devices, self.device = list(resolved.devices), resolved.devices[0]
+        self.agents = self._trained_models(resolved)
         self._warn_count(count)
-        check_context(self.agents, self.args.max_new_tokens)
         self.reward_func, self.reward_processor = reward_func, reward_processor
-        self.reward = RewardFunction(reward_func, self._reward_arity(), reward_processor)
+        self.reward = RewardFunction(reward_func, self._reward_arity(), reward_processor,
+                                     per_agent=self._per_agent_rewards())
         self.formatters = build_formatter_list(formatters, self._prompted_count())
         self.external_transition = external_transition
         self.transition = ExternalTransition(external_transition, self.num_agents) \
@@ -91,7 +96,7 @@ class Trainer(Evaluation, Persistence):
         self.reference_models = self._references()
         self._set_seed()
         self.optimizers, self.schedulers = self._optimizers(self.agents)
-        self.backend = make_backend(self.args.rollout_backend, self.agents, self.tokenizers, seed=self.args.seed,
+        self.backend = make_backend(self.args.rollout_backend, self._policies(), self.tokenizers, seed=self.args.seed,
                                     world_size=self.dist.world_size, vllm_options=self._vllm_options())
         self.state = TrainState()
         self.run_id = dist.gather_objects(uuid.uuid4().hex, self.dist)[0]  # rank 0's, on every rank
@@ -99,6 +104,7 @@ class Trainer(Evaluation, Persistence):
         self.wandb_identity: Optional[dict[str, str]] = None
         self.verbose = verbose_from_wandb_config(wandb_config)
         self._fingerprint_cache: Optional[dict[str, Any]] = None
+        self._buffer: Optional[PlayedBuffer] = None
         self._closed = False
 
     # ------------------------------------------------------------------------------------------
@@ -115,6 +121,25 @@ class Trainer(Evaluation, Persistence):
     def _accepted_config(self) -> type:
         return self.config_class
 
+    def _early_checks(self, count: int) -> None:
+        """Checks of the arguments that must fail before any model is loaded (families extend)."""
+
+    def _trained_models(self, resolved: Any) -> list[torch.nn.Module]:
+        """The trained modules of the agents, from the resolved policies (a family may wrap them)."""
+        return list(resolved.models)
+
+    def _policies(self) -> list[torch.nn.Module]:
+        """The language models that sample, one per agent (what the rollout backend runs)."""
+        return self.agents
+
+    def _buffer_prompts(self) -> int:
+        """Prompts per buffer: their episodes are played before the updates on them."""
+        return self.args.rollout_buffer_size
+
+    def _step_prompts(self) -> int:
+        """Prompts per optimizer step."""
+        return self.args.train_batch_size
+
     def _warn_count(self, count: int) -> None:
         if self.args.num_agents != count:
             logger.warning("comlrl: the config says num_agents=%d but the trainer has %d agents; training %d.",
@@ -124,16 +149,17 @@ class Trainer(Evaluation, Persistence):
         """How many completion lists the reward function takes (one per agent)."""
         return self.num_agents
 
+    def _per_agent_rewards(self) -> bool:
+        """Whether the reward may give each agent its own reward (families with per-agent critics)."""
+        return False
+
     def _prompted_count(self) -> int:
         """How many formatters (one per agent)."""
         return self.num_agents
 
     def _broadcast_modules(self) -> list[torch.nn.Module]:
         """Modules every process must start equal (rank 0's); a LoRA base once with every adapter."""
-        from ..adapters import AdapterAgent
-
-        shared = {id(m.shared): m.shared for m in self.agents if isinstance(m, AdapterAgent)}
-        return [m for m in self.agents if not isinstance(m, AdapterAgent)] + list(shared.values())
+        return _distinct_modules(self.agents)
 
     def _references(self) -> list[torch.nn.Module]:
         """Each agent's frozen initial policy when the reference KL is on (none otherwise)."""
@@ -146,7 +172,7 @@ class Trainer(Evaluation, Persistence):
             for d in DeviceScheduler.resolve_devices(self.args.reference_devices, len(self.agents),
                                                      kind="reference_devices")]
         self._reference_devices = list(devices)
-        return [r for r in frozen_copies(self.agents, devices)]
+        return [r for r in frozen_copies(self._policies(), devices)]
 
     def _set_seed(self) -> None:
         from ..utils import set_seed
@@ -252,16 +278,89 @@ class Trainer(Evaluation, Persistence):
                      {f"agent-{i}": s for i, s in enumerate(self.schedulers)})
 
     def _train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
-        """Train on one buffer of prompts (``indices`` into the train table); return its metrics and
-        advance ``self.state.global_step`` / ``env_step``."""
+        """Train on one buffer of prompts (``indices`` into the train table): play its episodes
+        (:meth:`_collect`, this process's share), then one optimizer step (:meth:`_optimizer_step`)
+        per ``train_batch_size`` prompts. Returns the buffer's metrics and advances ``global_step`` /
+        ``env_step``.
+
+        The played buffer and its finished steps are kept on the trainer until the buffer is done,
+        so train() called again after an interruption redoes only the interrupted step.
+        """
+        order = self._buffer_order(indices, epoch)
+        size = self._step_prompts()
+        chunks = [order[i:i + size] for i in range(0, len(order), size)]
+        mine = [dist.shard(c, self.dist) for c in chunks]
+        buffer = self._buffer
+        if buffer is None or (buffer.epoch, buffer.indices) != (epoch, indices):
+            buffer = self._buffer = self._collect([i for part in mine for i in part], epoch, timer)
+            buffer.epoch, buffer.indices = epoch, list(indices)
+        offsets = [sum(len(m) for m in mine[:c]) for c in range(len(chunks))]
+        while buffer.steps_done < len(chunks):
+            c = buffer.steps_done
+            with timer("update"):
+                buffer.step_metrics.append(self._optimizer_step(buffer, range(offsets[c], offsets[c] + len(mine[c]))))
+            buffer.steps_done += 1
+        self._buffer = None
+        merged = merge_records([buffer.record] if buffer.turns else [], self.args.num_turns, self.num_agents, self.dist)
+        self.state.env_step += sum(len(r) for turn in merged["rewards"] for r in turn)
+        metrics = episode_metrics(merged, "train", "")
+        metrics.update(buffer.extra_metrics)
+        for key in set().union(*buffer.step_metrics):
+            values = [m[key] for m in buffer.step_metrics if key in m]
+            metrics[key] = sum(values) / len(values) if key != "train/skipped_steps" else sum(values)
+        return metrics
+
+    def _step_all(self, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                  schedulers: Sequence[Any]) -> tuple[dict[str, float], Optional[list[float]]]:
+        """The optimizer step of every trained module, once their gradients are in: wait for the
+        checkpoint being written, sum gradients over processes, check, clip, step (see
+        :func:`comlrl.engine.step.apply_gradients`), refresh the rollout backend's weights.
+        Returns the step's metrics and each module's gradient norm (None: the step was skipped)."""
+        learning_rate = schedulers[0].get_last_lr()[0]  # the rate this step is taken with
+        self._settle_checkpoint()
+        norms = apply_gradients(models, optimizers, schedulers, self.args.max_grad_norm, self.dist,
+                                self.args.nonfinite, f"optimizer step {self.state.global_step + 1}")
+        self.backend.mark_stale()
+        if norms is None:
+            return {"train/learning_rate": learning_rate, "train/skipped_steps": 1.0}, None
+        self.state.global_step += 1
+        return {"train/learning_rate": learning_rate}, norms
+
+    def _buffer_order(self, indices: list[int], epoch: int) -> list[int]:
+        """The buffer's prompts in the order they are split into optimizer steps."""
+        return list(indices)
+
+    def _collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
+        """Rollout, score and returns of this process's prompts ``mine`` of a buffer (in step order)."""
         raise NotImplementedError
+
+    def _optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
+        """One optimizer step on the prompts ``groups`` (positions in ``mine``) of the buffer."""
+        raise NotImplementedError
+
+    def _reference_fn(self, agent: int) -> Callable[[Rollout], torch.Tensor]:
+        """The reference policy's log-probs of a rollout's tokens: the agent's frozen initial copy,
+        or for a LoRA agent its shared base with adapters disabled."""
+        model = self._policies()[agent]
+        reference = self.reference_models[agent]
+
+        def logp(ro: Rollout) -> torch.Tensor:
+            target = reference if reference is not None else model
+            device = next(target.parameters()).device
+            disabled = model.reference() if reference is None else contextlib.nullcontext()
+            with torch.no_grad(), self._autocast(), disabled:
+                out = sequence_log_probs(target, ro.prompt_ids.to(device), ro.prompt_mask.to(device),
+                                         ro.completion_ids.to(device), self.args.temperature)
+            return out.to(ro.prompt_ids.device)
+        return logp
 
     def _fingerprint_extra(self) -> dict[str, Any]:
         """Family-specific parts of the fingerprint."""
         return {}
 
     def _reset_pending(self) -> None:
-        """Forget work of an interrupted buffer (a family that keeps some overrides it)."""
+        """Forget the work of an interrupted buffer (a resume replaces the state it was played with)."""
+        self._buffer = None
 
     # ------------------------------------------------------------------------------------------
     # training
@@ -293,7 +392,7 @@ class Trainer(Evaluation, Persistence):
         self._check_open()
         self.args.validate()
         _check_train_args(checkpoint_dir, checkpoint_interval, checkpoint_total_limit, save_steps)
-        check_tokenizers_usable(self.tokenizers)
+        self._check_ready()
         self._table("train")
         self._check_world()
         resumed = self._load_for_train(resume_from_checkpoint) if resume_from_checkpoint is not None else None
@@ -304,11 +403,18 @@ class Trainer(Evaluation, Persistence):
                        resumed_number=resumed, continuing=continuing)
         return loop.run()
 
+    def _check_ready(self) -> None:
+        """Before sampling (train, evaluate): what construction accepts for CoMLRL's sake (minimal
+        tokenizers, a max_new_tokens beyond a model's context) must be usable now."""
+        check_tokenizers_usable(self.tokenizers)
+        check_context(self._policies(), self.args.max_new_tokens)
+
     def _check_world(self) -> None:
-        if self.dist.enabled and self.args.train_batch_size < self.dist.world_size:
-            raise ConfigError(f"{self.dist.world_size} processes share each optimizer step's train_batch_size="
-                              f"{self.args.train_batch_size} prompt(s): some would never get a prompt. Set "
-                              f"train_batch_size to at least {self.dist.world_size}, or launch fewer processes.")
+        if self.dist.enabled and self._step_prompts() < self.dist.world_size:
+            raise ConfigError(f"{self.dist.world_size} processes share each optimizer step's prompts, but "
+                              f"train_batch_size={self.args.train_batch_size} gives a step {self._step_prompts()} "
+                              "prompt(s): some processes would never get one. Set train_batch_size so that a step "
+                              f"has at least {self.dist.world_size} prompts, or launch fewer processes.")
 
     def close(self) -> None:
         """Finish any checkpoint write, unlock the checkpoint directory, stop rollout engines and
@@ -345,6 +451,23 @@ class Trainer(Evaluation, Persistence):
 
     def _run_config_extra(self) -> dict[str, Any]:
         return {}
+
+
+def _distinct_modules(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Modules every process must start equal (rank 0's); a LoRA base once with every adapter."""
+    from ..adapters import AdapterAgent
+    from ..models.actor_critic import unwrap_policy
+
+    out, shared = [], {}
+    for m in models:
+        inner = unwrap_policy(m)
+        if isinstance(inner, AdapterAgent):
+            shared.setdefault(id(inner.shared), inner.shared)
+            if inner is not m:  # a value head beside the adapter
+                out.extend(c for n, c in m.named_children() if n != "model")
+        else:
+            out.append(m)
+    return out + list(shared.values())
 
 
 def _wants_cuda(spec: Any, count: int) -> bool:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["selected_log_probs", "linear_selected_log_probs", "sequence_log_probs"]
+__all__ = ["selected_log_probs", "linear_selected_log_probs", "sequence_log_probs", "log_probs_and_hidden",
+           "final_hidden_states"]
 
 # Causal LMs whose logits are exactly ``lm_head(final hidden state)`` (no soft-capping or scaling):
 # for these the log-probs are computed from the hidden states without materialising all logits.
@@ -162,6 +163,37 @@ def sequence_log_probs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_
     Returns:
         ``[R, T]`` float32 log-probs (gradient flows to the model's parameters).
     """
+    return _log_probs(model, prompt_ids, prompt_mask, completion_ids, temperature, with_hidden=False)[0]
+
+
+def log_probs_and_hidden(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                         completion_ids: torch.Tensor, temperature: float = 1.0
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_log_probs` and, from the same forward pass, the final hidden states of every
+    position (what a value head on this model reads).
+
+    Returns:
+        ``([R, T] float32 log-probs, [R, P + T, H] final hidden states)``; position ``P - 1`` is the
+        last prompt token of every row (left padding), ``P + n - 1`` the n-th completion token.
+    """
+    return _log_probs(model, prompt_ids, prompt_mask, completion_ids, temperature, with_hidden=True)
+
+
+def final_hidden_states(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+                        ) -> torch.Tensor:
+    """``[R, L, H]`` final hidden states of left-padded sequences (position ids follow the mask),
+    without the language-model head where the model allows (a critic needs no logits)."""
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    plain = _plain_head(model)
+    if plain is not None:
+        return plain[0](input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        use_cache=False)[0]
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1]
+
+
+def _log_probs(model, prompt_ids, prompt_mask, completion_ids, temperature, with_hidden: bool):
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, torch.ones_like(completion_ids)], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -171,17 +203,13 @@ def sequence_log_probs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_
         # Hidden states of the positions that predict the completion tokens, then the head.
         backbone, head = plain
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False)[0][:, -num_completion - 1:-1]
+                          use_cache=False)[0]
         rows, steps = completion_ids.shape
-        return linear_selected_log_probs(hidden.reshape(rows * steps, -1), head.weight, head.bias,
-                                         completion_ids.reshape(-1), temperature).view(rows, steps)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-        logits_to_keep=num_completion + 1,
-    ).logits[:, :-1]
-    return selected_log_probs(logits, completion_ids, temperature)
-
-
+        logp = linear_selected_log_probs(hidden[:, -num_completion - 1:-1].reshape(rows * steps, -1), head.weight,
+                                         head.bias, completion_ids.reshape(-1), temperature).view(rows, steps)
+        return logp, (hidden if with_hidden else None)
+    extra = {"output_hidden_states": True} if with_hidden else {}
+    out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                logits_to_keep=num_completion + 1, **extra)
+    logp = selected_log_probs(out.logits[:, :-1], completion_ids, temperature)
+    return logp, (out.hidden_states[-1] if with_hidden else None)

@@ -1,7 +1,9 @@
 """Trainers by family (CoMLRL's ``comlrl.trainers`` names)."""
 
+from .actor_critic import ActorCriticTrainerBase, IACConfig, IACTrainer, MAACConfig, MAACTrainer
 from .reinforce import (MAGRPOConfig, MAGRPOTrainer, MAREINFORCEConfig, MAREINFORCETrainer, MAReMaxConfig,
                         MAReMaxTrainer, MARLOOConfig, MARLOOTrainer)
 
 __all__ = ["MAGRPOConfig", "MAGRPOTrainer", "MAREINFORCEConfig", "MAREINFORCETrainer", "MAReMaxConfig",
-           "MAReMaxTrainer", "MARLOOConfig", "MARLOOTrainer"]
+           "MAReMaxTrainer", "MARLOOConfig", "MARLOOTrainer", "ActorCriticTrainerBase", "IACConfig", "IACTrainer",
+           "MAACConfig", "MAACTrainer"]

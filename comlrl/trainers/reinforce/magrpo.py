@@ -14,43 +14,26 @@ With one agent MAGRPO is GRPO. The named variants change only the baseline.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
 from ...engine import distributed as dist
 from ...engine.collect import train_seeds
-from ...engine.episode import Turn
-from ...engine.metrics import episode_metrics, merge_records, record_turns
-from ...engine.step import AgentRows, apply_gradients, concat_rollouts, policy_backward, select_rows, step_denominator
+from ...engine.metrics import record_turns
+from ...engine.state import PlayedBuffer
+from ...engine.step import AgentRows, concat_rollouts, policy_backward, select_rows, step_denominator
 from ...engine.timing import PhaseTimer
 from ...engine.trainer import Trainer
 from ...exceptions import ConfigError
 from ...functional.advantages import group_advantages
 from ...functional.joint import cross_returns
-from ...functional.logprobs import sequence_log_probs
 from ...functional.returns import discounted_returns, tree_size
-from ...rollout import Rollout
 from .config import MAGRPOConfig
 
 __all__ = ["MAGRPOConfig", "MAGRPOTrainer"]
 
 logger = logging.getLogger("comlrl")
-
-
-@dataclass
-class _Buffer:
-    """A buffer's played episodes and its progress through its optimizer steps (kept on the
-    trainer, so that train() called again after an interruption continues the same buffer)."""
-
-    epoch: int
-    indices: list[int]
-    turns: list[Turn]
-    returns: list[list[torch.Tensor]]  # [turn][agent] completion returns [nodes_t * K]
-    record: dict[str, Any]
-    steps_done: int = 0
-    step_metrics: list[dict[str, float]] = field(default_factory=list)
 
 
 class MAGRPOTrainer(Trainer):
@@ -107,7 +90,6 @@ class MAGRPOTrainer(Trainer):
                               f"actions per prompt ({joint} per node, {nodes} nodes), above max_joint_actions="
                               f"{self.args.max_joint_actions}. Lower num_generations or num_turns, use joint_mode="
                               "'aligned', or raise max_joint_actions.")
-        self._buffer: Optional[_Buffer] = None
 
     def _accepted_config(self) -> type:
         return MAGRPOConfig
@@ -116,36 +98,11 @@ class MAGRPOTrainer(Trainer):
         k, n = self.args.num_generations, self.num_agents
         return k ** n if self.args.joint_mode == "cross" and n > 1 else k
 
-    def _reset_pending(self) -> None:
-        self._buffer = None
-
     # --- one buffer ----------------------------------------------------------------------------
-    def _train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
-        chunks = [indices[i:i + self.args.train_batch_size] for i in range(0, len(indices), self.args.train_batch_size)]
-        mine = [dist.shard(c, self.dist) for c in chunks]
-        buffer = self._buffer
-        if buffer is None or (buffer.epoch, buffer.indices) != (epoch, indices):
-            buffer = self._buffer = self._collect([i for part in mine for i in part], epoch, timer)
-            buffer.indices = list(indices)
-        offsets = [sum(len(m) for m in mine[:c]) for c in range(len(chunks))]
-        while buffer.steps_done < len(chunks):
-            c = buffer.steps_done
-            with timer("update"):
-                buffer.step_metrics.append(self._optimizer_step(buffer, range(offsets[c], offsets[c] + len(mine[c]))))
-            buffer.steps_done += 1
-        self._buffer = None
-        merged = merge_records([buffer.record] if buffer.turns else [], self.args.num_turns, self.num_agents, self.dist)
-        self.state.env_step += sum(len(r) for turn in merged["rewards"] for r in turn)
-        metrics = episode_metrics(merged, "train", "")
-        for key in set().union(*buffer.step_metrics):
-            values = [m[key] for m in buffer.step_metrics if key in m]
-            metrics[key] = sum(values) / len(values) if key != "train/skipped_steps" else sum(values)
-        return metrics
-
-    def _collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> _Buffer:
+    def _collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
         """Rollout, score and returns for this process's prompts of the buffer."""
         if not mine:
-            return _Buffer(epoch, [], [], [], {})
+            return PlayedBuffer([], {})
         table = self._table("train")
         turns = self._collector(table).play(self._batch(table, mine), num_generations=self.args.num_generations,
                                             num_turns=self.args.num_turns, seed_of=train_seeds(self.args.seed, epoch),
@@ -154,7 +111,7 @@ class MAGRPOTrainer(Trainer):
             joint = discounted_returns([t.rewards for t in turns], [t.children for t in turns],
                                        self._joint_per_node(), self.args.discount, self.args.num_turns)
             returns = [self._agent_returns(g, len(t.nodes)) for t, g in zip(turns, joint)]
-        return _Buffer(epoch, [], turns, returns, record_turns(turns, joint))
+        return PlayedBuffer(turns, record_turns(turns, joint), {"returns": returns})
 
     def _agent_returns(self, joint: torch.Tensor, num_nodes: int) -> list[torch.Tensor]:
         """Each agent's ``[nodes * K]`` completion returns from the joint-action returns: the joint
@@ -163,13 +120,13 @@ class MAGRPOTrainer(Trainer):
             return [joint] * len(self.agents)
         return list(cross_returns(joint.reshape(num_nodes, -1), self.args.num_generations, self.num_agents))
 
-    def _rows(self, buffer: _Buffer, agent: int, groups: range) -> Optional[AgentRows]:
+    def _rows(self, buffer: PlayedBuffer, agent: int, groups: range) -> Optional[AgentRows]:
         """Agent ``agent``'s completions of every turn for the prompts ``groups`` of the batch (None
         if this process has none)."""
         k = self.args.num_generations
         parts, returns, ids = [], [], []
         next_id = 0
-        for turn, turn_returns in zip(buffer.turns, buffer.returns):
+        for turn, turn_returns in zip(buffer.turns, buffer.data["returns"]):
             nodes = [i for i, node in enumerate(turn.nodes) if node.group in groups]
             if not nodes:
                 continue
@@ -186,7 +143,7 @@ class MAGRPOTrainer(Trainer):
     def _advantages(self, returns: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         return group_advantages(returns, groups, self.args.advantage_mode, self.args.advantage_normalization)
 
-    def _optimizer_step(self, buffer: _Buffer, groups: range) -> dict[str, float]:
+    def _optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
         """One optimizer step per agent on the prompts ``groups`` (this process's share)."""
         args = self.args
         losses = []
@@ -203,15 +160,9 @@ class MAGRPOTrainer(Trainer):
                 losses.append(None)
         totals = dist.all_reduce_sum([v for s in losses for v in ((s.loss, s.kl_sum, s.rows) if s else (0, 0, 0))],
                                      self.dist)
-        learning_rate = self.schedulers[0].get_last_lr()[0]  # the rate this step is taken with
-        self._settle_checkpoint()
-        norms = apply_gradients(self.agents, self.optimizers, self.schedulers, args.max_grad_norm, self.dist,
-                                args.nonfinite, f"optimizer step {self.state.global_step + 1}")
-        self.backend.mark_stale()
-        metrics = {"train/learning_rate": learning_rate}
+        metrics, norms = self._step_all(self.agents, self.optimizers, self.schedulers)
         if norms is None:
-            return {**metrics, "train/skipped_steps": 1.0}
-        self.state.global_step += 1
+            return metrics
         for a in range(len(self.agents)):
             loss, kl_sum, rows = totals[3 * a:3 * a + 3]
             metrics[f"agent_{a}/loss"] = loss
@@ -219,24 +170,6 @@ class MAGRPOTrainer(Trainer):
             if args.reference_kl_enabled and rows:
                 metrics[f"agent_{a}/reference_kl"] = kl_sum / rows
         return metrics
-
-    def _reference_fn(self, agent: int) -> Callable[[Rollout], torch.Tensor]:
-        """The reference policy's log-probs of a rollout's tokens: the agent's frozen initial copy,
-        or for a LoRA agent its shared base with adapters disabled."""
-        import contextlib
-
-        model = self.agents[agent]
-        reference = self.reference_models[agent]
-
-        def logp(ro: Rollout) -> torch.Tensor:
-            target = reference if reference is not None else model
-            device = next(target.parameters()).device
-            disabled = model.reference() if reference is None else contextlib.nullcontext()
-            with torch.no_grad(), self._autocast(), disabled:
-                out = sequence_log_probs(target, ro.prompt_ids.to(device), ro.prompt_mask.to(device),
-                                         ro.completion_ids.to(device), self.args.temperature)
-            return out.to(ro.prompt_ids.device)
-        return logp
 
     def _fingerprint_extra(self) -> dict[str, Any]:
         from ...adapters import AdapterAgent, base_fingerprint
