@@ -361,3 +361,16 @@ def test_metrics_file_is_strict_json(make_ac):
     trainer.train()
     for line in open(f"{trainer.args.output_dir}/metrics.jsonl"):
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+
+
+def test_a_comlrl_143_actor_critic_checkpoint_is_refused_not_half_loaded(make_ac, tmp_path):
+    from comlrl import CheckpointError
+
+    legacy = tmp_path / "checkpoint-1"
+    legacy.mkdir()
+    (legacy / "training_state.pt").write_bytes(b"\x00")  # 1.4.3's file name; never read
+    trainer = make_ac("iac")
+    before = state_of(trainer)
+    with pytest.raises(CheckpointError, match="1.4.3 IACTrainer run .* is not supported"):
+        trainer.train(resume_from_checkpoint=legacy)
+    assert_bit_exact(before, state_of(trainer))

@@ -59,6 +59,10 @@ def resume_legacy(trainer: "Trainer", path: Path) -> int:
     """Load a 1.4.3 checkpoint into ``trainer``; returns its checkpoint number."""
     from ..engine.state import TrainState
 
+    if not getattr(trainer, "legacy_resume_supported", True):
+        raise CheckpointError(f"{path} was written by CoMLRL 1.4.3; continuing a 1.4.3 {type(trainer).__name__} run "
+                              "(its critics and their optimizers) is not supported. Start a fresh comlrl run, or "
+                              "load the 1.4.3 weights into the models you pass (agents=..., critics=...).")
     saved = read_legacy_checkpoint(path)
     family = saved.trainer_class.rsplit(".", 1)[-1]
     if family != type(trainer).__name__:

@@ -103,6 +103,7 @@ class ActorCriticTrainerBase(Trainer):
 
     config_class = ActorCriticConfig
     algorithm_name = "ActorCritic"
+    legacy_resume_supported = False  # 1.4.3's actor-critic checkpoints: refused with a message
 
     def __init__(self, agent_model: Any = None, critic_model: Any = None, tokenizer: Any = None,
                  reward_func: Optional[Callable[..., Any]] = None, reward_processor: Optional[Callable] = None,
@@ -481,9 +482,7 @@ class ActorCriticTrainerBase(Trainer):
         from ...adapters import AdapterAgent, base_fingerprint
         from ...checkpoint.fingerprint import model_fingerprint
 
-        extra: dict[str, Any] = {"critics": [model_fingerprint(c) for c in self.critics],
-                                 "metrics_callback": type(self.metrics_callback).__qualname__
-                                 if self.metrics_callback is not None else None}
+        extra: dict[str, Any] = {"critics": [model_fingerprint(c) for c in self.critics]}
         policies = self._policies()
         if any(isinstance(p, AdapterAgent) for p in policies):
             extra["lora_bases"] = [base_fingerprint(p.shared) for p in policies]
