@@ -35,20 +35,26 @@ if slow:
 
     ckpt._write_tensors = stretched(ckpt._write_tensors)
 path = tiny_model_dir()
-trainer = MAGRPOTrainer(
-    agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],
-    tokenizer=AutoTokenizer.from_pretrained(path),
-    reward_func=length_ratio_reward,
-    train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
-    args=MAGRPOConfig(**{**TEST_SETTINGS, "num_train_epochs": 3, "max_new_tokens": 10, "agent_learning_rate": 1e-3,
-                         "output_dir": str(run_dir / "out")}),
-)
+settings = {**TEST_SETTINGS, "num_train_epochs": 3, "max_new_tokens": 10, "agent_learning_rate": 1e-3,
+            "output_dir": str(run_dir / "out")}
+inputs = dict(agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],
+              tokenizer=AutoTokenizer.from_pretrained(path), reward_func=length_ratio_reward,
+              train_dataset=[{"prompt": p} for p in SEED_PROMPTS])
+if os.environ.get("KILL_WORKER_FAMILY") == "maac":  # a critic, its optimizer and a reference KL too
+    from comlrl.trainers.actor_critic import MAACConfig, MAACTrainer
+
+    settings.pop("loss_type")
+    trainer = MAACTrainer(critic_model=path, **inputs, args=MAACConfig(
+        **settings, critic_learning_rate=1e-3, reference_kl_enabled=True, reference_kl_coef=0.05))
+else:
+    trainer = MAGRPOTrainer(**inputs, args=MAGRPOConfig(**settings))
 latest = find_latest_checkpoint(run_dir / "ckpt")
 trainer.train(resume_from_checkpoint=latest, checkpoint_dir=run_dir / "ckpt", save_steps=1,
               checkpoint_total_limit=3)
-tensors = {f"{i}.{n}": p.detach().contiguous() for i, m in enumerate(trainer.agents) for n, p in m.named_parameters()}
-for i, opt in enumerate(trainer.optimizers):
+slots = trainer._slots()
+tensors = {f"{s}.{n}": p.detach().contiguous() for s, m in slots.modules.items() for n, p in m.named_parameters()}
+for s, opt in slots.optimizers.items():
     for idx, st in opt.state_dict()["state"].items():
         for k, v in st.items():
-            tensors[f"{i}.opt.{idx}.{k}"] = v.detach().reshape(-1).contiguous()
+            tensors[f"{s}.opt.{idx}.{k}"] = v.detach().reshape(-1).contiguous()
 save_file(tensors, str(run_dir / "final.safetensors"))

@@ -19,9 +19,9 @@ WORKER = Path(__file__).with_name("kill_worker.py")
 TRIALS = int(os.environ.get("COMLRL_KILL_TRIALS", "6"))
 
 
-def run_worker(run_dir, kill_after=None, slow_save=0.0):
+def run_worker(run_dir, kill_after=None, slow_save=0.0, family="magrpo"):
     """Run the worker; with kill_after, SIGKILL it that many seconds after training starts."""
-    env = {**os.environ, "KILL_WORKER_SLOW_SAVE": str(slow_save)}
+    env = {**os.environ, "KILL_WORKER_SLOW_SAVE": str(slow_save), "KILL_WORKER_FAMILY": family}
     proc = subprocess.Popen([sys.executable, str(WORKER), str(run_dir)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, env=env)
     if kill_after is None:
@@ -78,3 +78,22 @@ def test_sigkill_then_resume_equals_uninterrupted(reference, tmp_path):
     print(f"\n{TRIALS} kill trials, {mid_saves} kill(s) landed during a checkpoint save")
     if TRIALS >= 4:
         assert mid_saves >= 1, "no kill hit a save; the test did not exercise crash safety"
+
+
+def test_sigkill_of_an_actor_critic_run_then_resume_equals_uninterrupted(tmp_path):
+    """MAAC (agents, a critic, their optimizers, a reference KL): killed at random moments, some
+    inside a save, then resumed, it ends exactly where an uninterrupted run ends."""
+    reference = tmp_path / "reference"
+    run_worker(reference, family="maac")
+    expected, expected_rows = load_file(str(reference / "final.safetensors")), rows(reference)
+    assert any(k.startswith("critic-0.") for k in expected)
+    rng = random.Random(99)
+    for trial in range(max(2, TRIALS // 2)):
+        run_dir = tmp_path / f"trial-{trial}"
+        slow = 0.05 if trial % 2 else 0.0
+        run_worker(run_dir, kill_after=rng.uniform(0.0, 5.0 if slow else 2.0), slow_save=slow, family="maac")
+        run_worker(run_dir, family="maac")
+        tensors = load_file(str(run_dir / "final.safetensors"))
+        assert tensors.keys() == expected.keys()
+        assert all(torch.equal(tensors[k], expected[k]) for k in tensors), trial
+        assert rows(run_dir) == expected_rows, trial
