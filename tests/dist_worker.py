@@ -36,7 +36,8 @@ parser.add_argument("--loss-type", default="grpo")
 parser.add_argument("--extra-prompt", action="store_true", help="5 prompts: the last micro-batch is uneven")
 parser.add_argument("--eval", action="store_true")
 parser.add_argument("--lora", action="store_true", help="LoRA agents on one shared base")
-parser.add_argument("--family", default="magrpo", choices=["magrpo", "iac", "iac-shared", "maac"])
+parser.add_argument("--family", default="magrpo", choices=["magrpo", "iac", "iac-shared", "maac", "madpo", "marlhf"])
+parser.add_argument("--devices", default="cpu", help="agent_devices; 'auto': under torchrun on GPUs, cuda:LOCAL_RANK")
 opts = parser.parse_args()
 
 prompts = SEED_PROMPTS + (["Name a color:"] if opts.extra_prompt else [])
@@ -56,7 +57,7 @@ if opts.lora:
 else:
     models = dict(agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)])
 settings = {**TEST_SETTINGS, "num_train_epochs": opts.epochs, "max_new_tokens": 10, "agent_learning_rate": 1e-3,
-            "output_dir": str(opts.run_dir / "out"), "agent_devices": "cpu",
+            "output_dir": str(opts.run_dir / "out"), "agent_devices": None if opts.devices == "auto" else opts.devices,
             "rollout_buffer_size": opts.train_batch_size,
             "micro_batch_size": opts.train_batch_size // opts.micro_batches if opts.micro_batches > 1 else None,
             "num_turns": opts.num_turns, "early_termination_threshold": 0.5 if multi_turn else None,
@@ -67,6 +68,20 @@ common = dict(tokenizer=AutoTokenizer.from_pretrained(path), reward_func=length_
               external_transition=refine if multi_turn else None)
 if opts.family == "magrpo":
     trainer = MAGRPOTrainer(**models, **common, args=MAGRPOConfig(**settings))
+elif opts.family in ("madpo", "marlhf"):
+    from comlrl.trainers.preference import MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFTrainer
+
+    # Preference: the pairs are sampled on both processes' shares and gathered; a DPO / reward-model /
+    # online step splits its pairs or prompts over the processes.
+    pref = {k_: v for k_, v in settings.items() if k_ not in ("loss_type", "num_generations", "num_turns",
+                                                             "early_termination_threshold")}
+    pref.update(preference_num_candidates=4, preference_pairs_per_sample=2, train_batch_size=4)
+    if opts.family == "madpo":
+        trainer = MADPOTrainer(**models, **common, args=MADPOConfig(**pref))
+    else:
+        trainer = MARLHFTrainer(**models, **common, args=MARLHFConfig(
+            **pref, reward_model_device="cpu", num_generations=2, reward_train_batch_size=4,
+            reward_learning_rate=1e-3), reward_model=str(path))
 else:
     from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
 
@@ -84,11 +99,11 @@ else:
 trainer.train(resume_from_checkpoint=opts.resume, checkpoint_dir=opts.run_dir / "ckpt")
 trainer.save_model(opts.run_dir / "saved")
 slots = trainer._slots()
-tensors = {f"{s}.{n}": p.detach().contiguous() for s, m in slots.modules.items() for n, p in m.named_parameters()}
+tensors = {f"{s}.{n}": p.detach().cpu().contiguous() for s, m in slots.modules.items() for n, p in m.named_parameters()}
 for s, opt in slots.optimizers.items():
     for idx, st in opt.state_dict()["state"].items():
         for k, v in st.items():
-            tensors[f"{s}.opt.{idx}.{k}"] = v.detach().reshape(-1).contiguous()
+            tensors[f"{s}.opt.{idx}.{k}"] = v.detach().reshape(-1).cpu().contiguous()
 rank = trainer.dist.rank
 save_file(tensors, str(opts.run_dir / f"final-rank{rank}.safetensors"))
 record = {"world_size": trainer.dist.world_size, "env_step": trainer.state.env_step}
@@ -97,3 +112,9 @@ if opts.lora:
 
     record["base"] = base_fingerprint(trainer.agents[0].shared)["content"]
 (opts.run_dir / f"rank{rank}.json").write_text(json.dumps(record))
+if opts.devices != "cpu":  # tests/test_cuda.py: where the agents trained and over which backend
+    import torch.distributed as torch_dist
+
+    (opts.run_dir / f"device-rank{rank}.json").write_text(json.dumps({
+        "device": str(next(trainer.agents[0].parameters()).device),
+        "backend": torch_dist.get_backend() if torch_dist.is_initialized() else None}))

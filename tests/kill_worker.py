@@ -46,6 +46,15 @@ if os.environ.get("KILL_WORKER_FAMILY") == "maac":  # a critic, its optimizer an
     settings.pop("loss_type")
     trainer = MAACTrainer(critic_model=path, **inputs, args=MAACConfig(
         **settings, critic_learning_rate=1e-3, reference_kl_enabled=True, reference_kl_coef=0.05))
+elif os.environ.get("KILL_WORKER_FAMILY") == "madpo_iter":  # pairs, replay, iterations
+    from comlrl.trainers.preference import MADPOIterConfig, MADPOIterTrainer
+
+    keep = {"max_new_tokens", "agent_learning_rate", "output_dir", "temperature", "top_p", "weight_decay",
+            "max_grad_norm", "logging_steps"}
+    trainer = MADPOIterTrainer(**inputs, args=MADPOIterConfig(
+        **{k: v for k, v in settings.items() if k in keep}, num_iterations=3, num_train_epochs=2,
+        preference_num_candidates=4, preference_pairs_per_sample=2, train_batch_size=2, eval_interval=0,
+        preference_replay_mode="nearest_k", preference_replay_k=2))
 else:
     trainer = MAGRPOTrainer(**inputs, args=MAGRPOConfig(**settings))
 latest = find_latest_checkpoint(run_dir / "ckpt")

@@ -16,7 +16,7 @@ import torch
 
 from comlrl import CheckpointDirError, CheckpointError, ConfigError, ResumeMismatchError, RewardError, TrainingError
 from comlrl.checkpoint import files
-from comlrl.utils import find_latest_checkpoint
+from comlrl.utils import find_latest_checkpoint, read_checkpoint_metadata
 
 from helpers import assert_bit_exact, rows, state_of
 
@@ -121,6 +121,28 @@ def test_a_planted_identity_never_reaches_wandb_init(make_trainer, run, monkeypa
     with pytest.raises(CheckpointError, match="W&B identity"):
         resumed.train(resume_from_checkpoint=run / "checkpoint-2", checkpoint_dir=run)
     assert calls == []
+
+
+@pytest.mark.parametrize("trackers, words", [
+    ({"mlflow": {"run_id": "a1b2", "experiment_id": "1", "tracking_uri": "https://collector.example"}},
+     "MLflow identity must hold exactly"),
+    ({"mlflow": {"run_id": "../../runs/x", "experiment_id": "1"}}, "'run_id' must be a plain id"),
+    ({"mlflow": {"run_id": ["a1b2"], "experiment_id": "1"}}, "'run_id' must be a plain id"),
+    ({"mlflow": "a1b2"}, "MLflow identity must be an object"),
+    ({"neptune": {"id": "a1b2"}}, "unknown tracker"),
+    ("mlflow", "'trackers' must be an object"),
+])
+def test_a_planted_tracker_identity_never_reaches_mlflow(make_trainer, run, monkeypatch, tmp_path, trackers, words):
+    from mlflow import tracking
+
+    monkeypatch.setattr(tracking, "MlflowClient", lambda **kwargs: pytest.fail("MLflow was contacted"))
+    forge(run / "checkpoint-2", lambda state: state.update(trackers=trackers))
+    with pytest.raises(CheckpointError, match=words):
+        read_checkpoint_metadata(run / "checkpoint-2")
+    resumed = make_trainer(num_train_epochs=3, report_to=["jsonl", "mlflow"],
+                           mlflow_tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with pytest.raises(CheckpointError, match=words):
+        resumed.train(resume_from_checkpoint=run / "checkpoint-2", checkpoint_dir=run)
 
 
 # --- 3. every byte and field resume trusts ---------------------------------------------------------

@@ -49,20 +49,25 @@ def rows(run_dir: Path) -> list[dict]:
     return out
 
 
-def assert_close_runs(a: Path, b: Path) -> None:
+def _sampled(key: str) -> bool:
+    """Keys that come from the samples and the task's reward (the same samples: equal exactly)."""
+    return "reward" in key or "return" in key or "length" in key or key in ("env_step", "global_step")
+
+
+def assert_close_runs(a: Path, b: Path, exact=_sampled, atol: float = 1e-5) -> None:
     wa, wb = final(a), final(b)
     assert wa.keys() == wb.keys()
     for key in wa:
-        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=atol, msg=key)
     ra, rb = rows(a), rows(b)
     assert len(ra) == len(rb)
     for x, y in zip(ra, rb):
         assert x.keys() == y.keys()
         for key in x:
-            if "reward" in key or "return" in key or "length" in key or key in ("env_step", "global_step"):
+            if exact(key):
                 assert x[key] == y[key], key  # the same samples, so the same rewards
             else:
-                assert x[key] == pytest.approx(y[key], rel=1e-3, abs=1e-5), key
+                assert x[key] == pytest.approx(y[key], rel=1e-3, abs=atol), key
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +171,19 @@ def test_actor_critic_two_processes_match_one(tmp_path, family, extra):
     w0, w1 = final(tmp_path / "two", 0), final(tmp_path / "two", 1)
     assert all(torch.equal(w0[k], w1[k]) for k in w0)
     assert any(k.startswith("critic-0.") for k in w0) == (family != "iac-shared")
+
+
+@pytest.mark.parametrize("family", ["madpo", "marlhf"])
+def test_preference_two_processes_match_one(tmp_path, family):
+    """Pairs sampled on two processes and gathered, DPO / reward-model / online steps split over them:
+    the same run as on one process."""
+    run(tmp_path / "one", "--family", family)
+    run(tmp_path / "two", "--family", family, procs=2)
+    # Model-derived numbers (DPO margins, reward-model scores) agree within tolerance, task rewards exactly.
+    assert_close_runs(tmp_path / "one", tmp_path / "two", exact=lambda key: key in (
+        "env_step", "global_step", "preference/pairs") or "length" in key or key.startswith(
+        ("train/reward_", "train/task_reward")), atol=1e-5 if family == "madpo" else 1e-3)
+    # (MARLHF: the reward model's inputs are padded per process, so its scores, hence the online
+    # phase's advantages, differ in the last float digits: measured <= 2.3e-4 after two epochs.)
+    w0, w1 = final(tmp_path / "two", 0), final(tmp_path / "two", 1)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)

@@ -35,17 +35,18 @@ MODELS = {
 }
 
 
-def reference_and_fast_logits(model, steps=12, fuse=True, monkeypatch=None):
-    """Logits of ``steps`` one-token steps through transformers and through StaticDecoder."""
-    ids, mask = left_pad(PROMPTS, 0)
+def reference_and_fast_logits(model, steps=12, fuse=True, monkeypatch=None, device="cpu"):
+    """Logits of ``steps`` one-token steps through transformers and through StaticDecoder (on
+    ``device``: tests/test_cuda.py runs it on a GPU)."""
+    ids, mask = (t.to(device) for t in left_pad(PROMPTS, 0))
     positions = (mask.cumsum(1) - 1).clamp(min=0)
-    tokens = torch.randint(3, 300, (len(PROMPTS), steps), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(3, 300, (len(PROMPTS), steps), generator=torch.Generator().manual_seed(1)).to(device)
     if not fuse:
         monkeypatch.setattr(fast_decode, "FUSE_LIMIT_BYTES", 0)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         fast = fast_decode.StaticDecoder(model, _output_cache(out), mask, positions[:, -1] + 1, steps)
-        assert ("qkv" in fast.layers[0]) == fuse
+        assert ("qkv" in fast.layers[0]) == fuse or device != "cpu"
         cache, attention, position, ref, got = _output_cache(out), mask, positions[:, -1:] + 1, [], []
         for t in range(steps):
             got.append(fast.step(tokens[:, t]))

@@ -80,19 +80,21 @@ def test_sigkill_then_resume_equals_uninterrupted(reference, tmp_path):
         assert mid_saves >= 1, "no kill hit a save; the test did not exercise crash safety"
 
 
-def test_sigkill_of_an_actor_critic_run_then_resume_equals_uninterrupted(tmp_path):
-    """MAAC (agents, a critic, their optimizers, a reference KL): killed at random moments, some
-    inside a save, then resumed, it ends exactly where an uninterrupted run ends."""
+@pytest.mark.parametrize("family, marker", [("maac", "critic-0."), ("madpo_iter", "agent-1.")])
+def test_sigkill_of_an_actor_critic_or_preference_run_then_resume_equals_uninterrupted(tmp_path, family, marker):
+    """MAAC (agents, a critic, their optimizers, a reference KL) and iterative MADPO (pair sets,
+    replay shards, iterations): killed at random moments, some inside a save, then resumed, each ends
+    exactly where an uninterrupted run ends."""
     reference = tmp_path / "reference"
-    run_worker(reference, family="maac")
+    run_worker(reference, family=family)
     expected, expected_rows = load_file(str(reference / "final.safetensors")), rows(reference)
-    assert any(k.startswith("critic-0.") for k in expected)
+    assert any(k.startswith(marker) for k in expected)
     rng = random.Random(99)
     for trial in range(max(2, TRIALS // 2)):
         run_dir = tmp_path / f"trial-{trial}"
         slow = 0.05 if trial % 2 else 0.0
-        run_worker(run_dir, kill_after=rng.uniform(0.0, 5.0 if slow else 2.0), slow_save=slow, family="maac")
-        run_worker(run_dir, family="maac")
+        run_worker(run_dir, kill_after=rng.uniform(0.0, 5.0 if slow else 2.0), slow_save=slow, family=family)
+        run_worker(run_dir, family=family)
         tensors = load_file(str(run_dir / "final.safetensors"))
         assert tensors.keys() == expected.keys()
         assert all(torch.equal(tensors[k], expected[k]) for k in tensors), trial

@@ -137,3 +137,81 @@ def test_maac_learns_the_two_turn_refinement_task(model_path, tokenizer, tmp_pat
     for t in (2, 3):  # last epochs, turn 1 and turn 2
         assert statistics.median(r[t] for r in results) >= 0.8
         assert min(r[t] for r in results) >= 0.7
+
+
+def _eval_reward(trainer):
+    return trainer.evaluate()["eval/reward_mean"]
+
+
+def test_madpo_learns_the_seed_task(model_path, tokenizer, tmp_path):
+    """MADPO from a random tiny model: one pair set of the initial policy's candidates (16 per prompt,
+    8 pairs kept per prompt), 20 DPO epochs at lr 3e-3. The reward of the agents' own samples on the
+    seed prompts (32 evaluation rows, fixed seeds), before -> after, seeds 0/1/2: 0.373 -> 0.548,
+    0.379 -> 0.495, 0.384 -> 0.492 (1 thread)."""
+    from comlrl.trainers.preference import MADPOConfig, MADPOTrainer
+
+    gains = []
+    for seed in SEEDS:
+        trainer = MADPOTrainer(
+            agent_model=str(model_path), tokenizer=tokenizer, reward_func=length_ratio_reward,
+            train_dataset=[{"prompt": p} for p in SEED_PROMPTS], eval_dataset=[{"prompt": p} for p in SEED_PROMPTS] * 8,
+            args=MADPOConfig(num_train_epochs=20, preference_num_candidates=16, preference_pairs_per_sample=8,
+                             max_new_tokens=32, agent_learning_rate=3e-3, temperature=1.0, top_p=1.0,
+                             train_batch_size=4, eval_interval=0, logging_steps=1, eval_num_samples=None, seed=seed,
+                             weight_decay=0.0, max_grad_norm=1.0, output_dir=str(tmp_path / f"seed{seed}")))
+        before = _eval_reward(trainer)
+        trainer.train()
+        gains.append((before, _eval_reward(trainer)))
+    print("\nMADPO, eval reward per seed (before, after):", gains)
+    assert all(before == pytest.approx(0.38, abs=0.06) for before, _ in gains)
+    assert statistics.median(after - before for before, after in gains) >= 0.06
+    assert min(after - before for before, after in gains) >= 0.03
+
+
+E_PROMPTS = ["Describe a city in the clouds:", "Invent a new holiday and explain it:",
+             "Write a bedtime story for a dragon:", "Design a playground on Mars:", "Describe a quiet morning:",
+             "Invent a game for two robots:", "Write a poem about the sea:", "Design a house for a cat:"]
+HELD_OUT = ["Describe a market of light:", "Write a story about a fox:", "Invent a new sport:",
+            "Design a garden on the moon:", "Describe a bridge of glass:", "Write a letter to a star:",
+            "Invent a machine for rain:", "Design a boat for clouds:"]
+
+
+def e_density(completions1, completions2):
+    """How often the two agents write the letter e (x5, at most 1): a judge a reward model built on
+    a random 64-wide backbone can learn from a few hundred pairs (the seed task's length ratio is
+    beyond it: measured held-out accuracy 0.55-0.69, and the online phase did not improve)."""
+    return [min(1.0, 5 * (a.count("e") + b.count("e")) / max(len(a) + len(b), 1))
+            for a, b in zip(completions1, completions2)]
+
+
+def test_marlhf_reward_model_generalises_and_its_online_phase_improves_the_task(model_path, tokenizer, tmp_path):
+    """MARLHF (MAGRPO online phase) on the e-density task: the reward model ranks pairs of prompts
+    it never saw better than chance, and training with it raises the TASK reward. Measured, seeds
+    0/1/2 (held-out accuracy on 128 pairs; task reward before -> after): 0.633, 0.385 -> 0.569;
+    0.727, 0.390 -> 0.605; 0.688, 0.364 -> 0.508 (1 thread)."""
+    from comlrl.engine.timing import PhaseTimer
+    from comlrl.trainers.preference import MARLHFConfig, MARLHFTrainer
+
+    results = []
+    for seed in SEEDS:
+        trainer = MARLHFTrainer(
+            agent_model=str(model_path), tokenizer=tokenizer, reward_func=e_density,
+            train_dataset=[{"prompt": p} for p in E_PROMPTS], eval_dataset=[{"prompt": p} for p in E_PROMPTS] * 4,
+            args=MARLHFConfig(rl_algorithm="magrpo", num_train_epochs=10, preference_num_candidates=16,
+                              preference_pairs_per_sample=16, max_new_tokens=32, agent_learning_rate=1e-3,
+                              temperature=1.0, top_p=1.0, train_batch_size=2, rollout_buffer_size=2, eval_interval=0,
+                              logging_steps=1, reward_model_device="cpu", num_generations=4,
+                              reward_train_batch_size=8, reward_num_train_epochs=5, reward_learning_rate=1e-3,
+                              eval_num_samples=None, seed=seed, weight_decay=0.0, max_grad_norm=1.0,
+                              output_dir=str(tmp_path / f"seed{seed}")))
+        before = _eval_reward(trainer)
+        trainer.train()
+        after = _eval_reward(trainer)
+        trainer.train_dataset = [{"prompt": p} for p in HELD_OUT]
+        trainer._set_id = 99  # new samples, not the training pairs'
+        held_out, _ = trainer._generate_pairs(PhaseTimer())
+        results.append((trainer.reward_model_accuracy(held_out), before, after))
+    print("\nMARLHF, per seed (held-out accuracy, task reward before, after):", results)
+    assert statistics.median(acc for acc, _, _ in results) >= 0.57 and min(acc for acc, _, _ in results) > 0.5
+    assert statistics.median(after - before for _, before, after in results) >= 0.08
+    assert min(after - before for _, before, after in results) >= 0.03

@@ -45,11 +45,34 @@ def parser(description: str) -> argparse.ArgumentParser:
                    help="save a checkpoint after every epoch (as the seed workload does)")
     p.add_argument("--prompts-json", default=None, help="JSON list of prompts (default: the 4 seed prompts)")
     p.add_argument("--trainer", default="magrpo", choices=TRAINERS,
-                   help="magrpo; iac (a separate critic per agent, the same model); maac (one critic)")
+                   help="magrpo; iac (a separate critic per agent, the same model); maac (one critic); madpo; "
+                        "marlhf (its reward model: the same model)")
+    p.add_argument("--device", default="cpu", help="where the models train: cpu (default) or cuda")
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
+                   help="dtype the models are loaded in (weights, gradients and AdamW state); default float32")
     return p
 
 
-TRAINERS = ("magrpo", "iac", "maac")
+DTYPES = ("float32", "bfloat16")
+
+
+def model_dtype(args):
+    """The ``torch.dtype`` of ``--dtype``."""
+    import torch
+
+    return getattr(torch, args.dtype)
+
+
+def peak_gpu_mb():
+    """Peak CUDA memory allocated by this process's tensors so far (MB), or None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+TRAINERS = ("magrpo", "iac", "maac", "madpo", "marlhf")
 
 
 def setup(args) -> list[str]:
@@ -61,6 +84,8 @@ def setup(args) -> list[str]:
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: CUDA is not available in this environment (torch {torch.__version__})")
     return json.loads(args.prompts_json) if args.prompts_json else list(PROMPTS)
 
 

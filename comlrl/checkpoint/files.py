@@ -38,7 +38,7 @@ from safetensors.torch import _remove_duplicate_names, load_file, load_model, sa
 from .._io import fsync_dir, fsync_tree, move_into_place
 from ..exceptions import CheckpointError
 
-__all__ = ["FORMAT_VERSION", "STATE_FILE", "MANIFEST_FILE", "RNG_FILE", "Snapshot", "checkpoint_path",
+__all__ = ["FORMAT_VERSION", "STATE_FILE", "MANIFEST_FILE", "RNG_FILE", "DATA_FILE", "Snapshot", "checkpoint_path",
            "checkpoint_number", "list_checkpoints", "read_manifest", "read_state", "verify", "snapshot",
            "write_checkpoint", "load_module", "load_optimizer", "load_tensors", "remove_checkpoints"]
 
@@ -46,6 +46,7 @@ FORMAT_VERSION = 2
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 RNG_FILE = "rng.safetensors"
+DATA_FILE = "algorithm.safetensors"  # a trainer family's own tensors (e.g. preference pairs)
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _SLOT = re.compile(r"^[a-z]+(-[a-z]+)*-\d+$")
 
@@ -253,7 +254,7 @@ def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Opt
 
 def snapshot(number: int, record: dict[str, Any], modules: Mapping[str, torch.nn.Module],
              optimizers: Mapping[str, torch.optim.Optimizer], rng_tensors: Mapping[str, torch.Tensor],
-             reuse: Optional[Snapshot] = None) -> Snapshot:
+             reuse: Optional[Snapshot] = None, data: Optional[Mapping[str, torch.Tensor]] = None) -> Snapshot:
     """Copy what checkpoint ``number`` will hold.
 
     Args:
@@ -263,6 +264,7 @@ def snapshot(number: int, record: dict[str, Any], modules: Mapping[str, torch.nn
         rng_tensors: generator states for ``rng.safetensors``.
         reuse: an earlier snapshot whose files are written (or abandoned); its tensors are
             overwritten and become this snapshot's, instead of allocating new ones.
+        data: a trainer family's own tensors, for :data:`DATA_FILE` (None: no such file).
     """
     record = json.loads(json.dumps(record, allow_nan=False))  # a frozen copy: the live state keeps changing
     old = reuse.files if reuse is not None else {}
@@ -274,6 +276,8 @@ def snapshot(number: int, record: dict[str, Any], modules: Mapping[str, torch.nn
         weights, metadata = _model_tensors(module)
         name = f"{slot}/model.safetensors"
         files[name] = (_copies(weights, old.get(name, ({}, None))[0]), metadata)
+    if data is not None:
+        files[DATA_FILE] = ({k: v.detach().to("cpu").contiguous().clone() for k, v in data.items()}, None)
     record["optimizers"] = {}
     for slot, optimizer in optimizers.items():
         meta, tensors = _split_optimizer_state(optimizer.state_dict())

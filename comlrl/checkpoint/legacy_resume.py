@@ -90,6 +90,7 @@ def resume_legacy(trainer: "Trainer", path: Path) -> int:
     if saved.run_id:
         trainer.run_id = saved.run_id
     trainer.wandb_identity = saved.wandb
+    trainer.tracker_identities = {}  # 1.4.3 logged to W&B only
     trainer._reset_pending()
     logger.warning("comlrl: resumed a CoMLRL 1.4.3 checkpoint %s at epoch %d, env_step %d: weights, optimizer "
                    "state, counters and the W&B run carry over; sampling continues with comlrl's own seeds.",

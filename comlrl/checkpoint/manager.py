@@ -39,12 +39,14 @@ class Slots:
     ``schedulers[slot]`` (e.g. ``"agent-0"``; actor-critic runs add ``"critic-0"``, ...)."""
 
     def __init__(self, modules: Mapping[str, torch.nn.Module], optimizers: Mapping[str, torch.optim.Optimizer],
-                 schedulers: Mapping[str, Any]):
+                 schedulers: Mapping[str, Any], data: Optional[Mapping[str, torch.Tensor]] = None):
         self.modules, self.optimizers, self.schedulers = dict(modules), dict(optimizers), dict(schedulers)
+        self.data = dict(data) if data is not None else None  # a family's tensors (algorithm.safetensors)
 
     def expected_files(self) -> set[str]:
         return ({files.RNG_FILE} | {f"{s}/model.safetensors" for s in self.modules}
-                | {f"{s}/optimizer.safetensors" for s in self.optimizers})
+                | {f"{s}/optimizer.safetensors" for s in self.optimizers}
+                | ({files.DATA_FILE} if self.data is not None else set()))
 
 
 _HYPER = ("betas", "eps", "weight_decay", "initial_lr", "amsgrad", "maximize")
@@ -181,7 +183,7 @@ class CheckpointManager:
         for rank, (_, tensors) in enumerate(rng_states[1:], start=1):
             rng_tensors.update({f"rank{rank}/{k}": v for k, v in tensors.items()})
         return files.snapshot(number, record, slots.modules, slots.optimizers, rng_tensors,
-                              reuse=self._last if self._pending is None else None)
+                              reuse=self._last if self._pending is None else None, data=slots.data)
 
     def write_named(self, target: Path, number: int, record: dict[str, Any], slots: Slots,
                     rng_states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> Path:
@@ -254,6 +256,8 @@ class CheckpointManager:
         if set(state["optimizers"]) != set(slots.optimizers) or set(state["schedulers"]) != set(slots.schedulers):
             raise CheckpointError(f"checkpoint {path}: its optimizer / scheduler slots "
                                   f"{sorted(state['optimizers'])} do not match this trainer's {sorted(slots.optimizers)}.")
+        if slots.data is not None:  # read (and checked) before any live state changes
+            state["data"] = files.load_tensors(path, files.DATA_FILE)
         for slot, module in slots.modules.items():
             files.load_module(path, slot, module)
         for slot, optimizer in slots.optimizers.items():

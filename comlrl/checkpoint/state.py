@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..exceptions import CheckpointError
+from ..tracking.trackers import check_tracker_identities
 from ..tracking.wandb import check_identity
 
 __all__ = ["COUNTERS", "validate_state", "counters_of"]
@@ -50,7 +51,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 def validate_state(state: dict[str, Any], path: Path, number: int) -> dict[str, Any]:
-    """Check every field of a checkpoint's state; returns it (with a validated W&B identity).
+    """Check every field of a checkpoint's state; returns it (with validated tracker identities:
+    ``wandb``, and ``trackers``, ``{}`` when a checkpoint predates it).
 
     Raises:
         CheckpointError: naming the checkpoint and the first field that is missing or malformed.
@@ -82,6 +84,7 @@ def validate_state(state: dict[str, Any], path: Path, number: int) -> dict[str, 
     if len(state["rng_other_ranks"]) != state["world_size"] - 1:
         raise CheckpointError(f"checkpoint {path}: 'rng_other_ranks' does not match world_size.")
     state["wandb"] = check_identity(state.get("wandb"), f"checkpoint {path}")
+    state["trackers"] = check_tracker_identities(state.get("trackers"), f"checkpoint {path}")
     return state
 
 

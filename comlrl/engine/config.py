@@ -42,14 +42,22 @@ ALIASES = {
     "termination_threshold": "early_termination_threshold",
     "device": "agent_devices",
     "gradient_accumulation_steps": "micro_batch_size",
+    "logging_dir": "tensorboard_dir",
+    "run_name": "mlflow_run_name",
 }
 
 
-def setting(default: Any, doc: str, check: Optional[Check] = None, may_change: bool = False) -> Any:
+REDACTED = "<redacted>"
+
+
+def setting(default: Any, doc: str, check: Optional[Check] = None, may_change: bool = False,
+            secret: bool = False) -> Any:
     """Declare a config field: its default, a one-line doc, an optional check (``check(name, value)``
-    returns the value, possibly normalised, or raises ConfigError) and whether it may differ
-    between a checkpoint and the run that resumes it."""
-    return dataclasses.field(default=default, metadata={"doc": doc, "check": check, "may_change_on_resume": may_change})
+    returns the value, possibly normalised, or raises ConfigError), whether it may differ between a
+    checkpoint and the run that resumes it, and whether it is a secret (never written out:
+    :meth:`Config.to_dict` shows it as ``"<redacted>"``)."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "check": check, "may_change_on_resume": may_change,
+                                                        "secret": secret})
 
 
 # --- reusable checks ------------------------------------------------------------------------------
@@ -129,8 +137,10 @@ class Config:
         """Cross-field invariants; subclasses extend it (and call ``super().validate()``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields as a JSON-ready dict (tuples become lists)."""
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        """All fields as a JSON-ready dict (tuples become lists; a set secret as ``"<redacted>"``):
+        what checkpoints, fingerprints and trackers record."""
+        return {f.name: (REDACTED if f.metadata.get("secret") and getattr(self, f.name) is not None
+                         else _plain(getattr(self, f.name))) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "Config":

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from . import distributed as dist
-from ..tracking import JsonlSink
+from ..tracking import Tracker
 from .timing import PhaseTimer
 
 if TYPE_CHECKING:
@@ -37,14 +37,14 @@ class RunLoop:
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.interval, self.limit, self.save_steps = interval, limit, save_steps
         self.resumed_number, self.continuing = resumed_number, continuing
-        self.jsonl: Optional[JsonlSink] = None
-        self.wandb = None
+        self.trackers: list[Tracker] = []  # report_to's, on the main process only
         self.last: dict[str, float] = {}
 
     # --- opening and closing --------------------------------------------------------------
     @contextlib.contextmanager
     def _opened(self) -> Iterator[None]:
         t = self.t
+        success = False
         try:
             if self.checkpoint_dir is not None:
                 dist.main_process_first_result(
@@ -52,18 +52,20 @@ class RunLoop:
             dist.main_process_first_result(self._open_sinks, t.dist)  # a failure stops every rank
             yield
             dist.main_process_first_result(t.checkpoints.wait, t.dist)  # the last checkpoint is on disk
+            success = True
         finally:
-            self._close()
+            self._close(success)
 
     def _open_sinks(self) -> None:
-        t = self.t
         folder = self.checkpoint_dir if self.checkpoint_dir is not None else Path(self.args.output_dir)
-        keep = t.state.env_step if self.continuing else None
-        self.jsonl = JsonlSink(folder / "metrics.jsonl", run_id=t.run_id, keep_until_step=keep,
-                               keep_at_boundary=_is_train_row)
-        self.wandb = t._open_wandb(resumed=self.continuing)
+        self.trackers = self.t._open_trackers(folder, resumed=self.continuing, keep_at_boundary=_is_train_row)
 
-    def _close(self) -> None:
+    def _sync_trackers(self) -> None:
+        """Before a checkpoint: the rows up to it survive a crash or a power cut."""
+        for tracker in self.trackers:
+            tracker.sync()
+
+    def _close(self, success: bool) -> None:
         t = self.t
         try:
             if t.dist.is_main:
@@ -72,22 +74,46 @@ class RunLoop:
                 except Exception:  # already failing: log the write's error rather than hide the first one
                     logger.exception("comlrl: writing the last checkpoint failed")
         finally:
-            if self.jsonl is not None:
-                self.jsonl.close()
-            if self.wandb is not None:
-                self.wandb.close()
+            self._close_trackers(success)
+
+    def _close_trackers(self, success: bool) -> None:
+        """Close every tracker, even when one fails; a failure is raised only if training succeeded
+        (otherwise training's own error is the one to see)."""
+        first: Optional[BaseException] = None
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            try:
+                tracker.close(success=success)
+            except Exception as exc:  # noqa: BLE001 - the others must still be closed
+                logger.exception("comlrl: closing tracker %s failed", tracker.name)
+                first = first or exc
+        if first is not None and success:
+            raise first
 
     # --- the loop ----------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
-        t, total = self.t, self.args.num_train_epochs
-        if t.state.epoch >= total:
+        t = self.t
+        if t._finished():
             logger.warning("comlrl: %d epoch(s) are already complete and num_train_epochs=%d; nothing to train. "
-                           "Raise num_train_epochs to continue the run.", t.state.epoch, total)
+                           "Raise num_train_epochs to continue the run.", t.state.epoch, self.args.num_train_epochs)
             return {}
         with self._opened(), self._progress() as progress:
-            while t.state.epoch < total:
-                self._epoch(progress)
+            t._run_schedule(self, progress)
         return self.last
+
+    def checkpoint(self) -> None:
+        """Save a checkpoint now (a family's phase boundary), when the run has a checkpoint_dir."""
+        if self.checkpoint_dir is None:
+            return
+        self._sync_trackers()
+        timer = PhaseTimer(self.t.device)
+        with timer("checkpoint"):
+            self.t._save(self.t.state.checkpoint + 1, self.limit)
+        self.t.state.window.add(timer.metrics())
+
+    def log(self, metrics: dict[str, float], flush: bool = False) -> None:
+        """Log a family's phase metrics (e.g. reward-model training) at the current env_step."""
+        self._log(metrics, self.t._epoch_position(0.0), flush=flush)
 
     def _epoch(self, progress: Any) -> None:
         t = self.t
@@ -104,7 +130,7 @@ class RunLoop:
             done = t.state.items_in_epoch == len(order)
             if done:
                 t.state.epoch, t.state.items_in_epoch = epoch + 1, 0
-            self._log(metrics, epoch + (start + len(indices)) / len(order), flush=done)
+            self._log(metrics, t._epoch_position(epoch + (start + len(indices)) / len(order)), flush=done)
             progress.update(t.state.global_step - steps_before)
             progress.set_postfix(epoch=epoch + 1, reward=f"{metrics.get('train/reward_mean', math.nan):.3f}")
             self._checkpoint_if_due(done, steps_before)
@@ -112,15 +138,15 @@ class RunLoop:
                 return
 
     def _evaluate_if_due(self, start: int, count: int, size: int) -> None:
-        """CoMLRL's cadence: before training prompt i of an epoch when ``i % eval_interval == 0``."""
-        every = self.args.eval_interval
-        if not every or self.t.eval_dataset is None or -(-start // every) * every >= start + count:
+        """CoMLRL's cadence: before training prompt i of an epoch when ``i % eval_interval == 0``
+        (a family may count otherwise: :meth:`Trainer._eval_due`)."""
+        if self.t.eval_dataset is None or not self.t._eval_due(start, count):
             return
         timer = PhaseTimer(self.t.device)
         with timer("eval"):
             evaluation = self.t.evaluate()
         evaluation.update(timer.metrics())
-        self._write_row({**evaluation, "epoch": round(self.t.state.epoch + start / size, 6)})
+        self._write_row({**evaluation, "epoch": round(self.t._epoch_position(self.t.state.epoch + start / size), 6)})
 
     def _log(self, metrics: dict[str, float], epoch: float, flush: bool) -> None:
         """Add a buffer's metrics to the window; write a row once ``env_step`` has moved
@@ -142,10 +168,8 @@ class RunLoop:
     def _write_row(self, row: dict[str, float]) -> dict[str, float]:
         t = self.t
         row = {**row, "env_step": t.state.env_step, "global_step": t.state.global_step}
-        if self.jsonl is not None:
-            self.jsonl.log(row)
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in row.items() if k != "env_step"}, step=t.state.env_step)
+        for tracker in self.trackers:
+            tracker.log(row, step=t.state.env_step)
         return row
 
     def _checkpoint_if_due(self, epoch_done: bool, steps_before: int) -> None:
@@ -157,8 +181,7 @@ class RunLoop:
             due = t.state.global_step // self.save_steps > steps_before // self.save_steps
         if not due:
             return
-        if self.jsonl is not None:
-            self.jsonl.sync()  # the rows up to this checkpoint survive a power cut
+        self._sync_trackers()
         timer = PhaseTimer(t.device)
         with timer("checkpoint"):
             t._save(t.state.checkpoint + 1, self.limit)
@@ -170,11 +193,9 @@ class RunLoop:
         from tqdm.auto import tqdm
 
         t = self.t
-        size, batch = len(t.epoch_order(0)), t._buffer_prompts()
-        per_epoch = sum(math.ceil(min(batch, size - s) / t._step_prompts()) for s in range(0, size, batch))
         disable = not t.verbose or not t.dist.is_main or os.environ.get("COMLRL_DISABLE_PROGRESS") == "1"
-        bar = tqdm(total=self.args.num_train_epochs * per_epoch, initial=t.state.global_step, desc=t.algorithm_name,
-                   unit="step", dynamic_ncols=True, disable=disable)
+        bar = tqdm(total=t._total_steps(), initial=t.state.global_step, desc=t.algorithm_name, unit="step",
+                   dynamic_ncols=True, disable=disable)
         try:
             yield bar
         finally:

@@ -60,15 +60,17 @@ class Persistence:
 
         return {"run_id": self.run_id, "trainer": type(self).__name__, "counters": self.state.counters(),
                 "log_window": self.state.window.to_dict(), "num_train_epochs": self.args.num_train_epochs,
-                "wandb": self.wandb_identity, "config": self.args.to_dict(), "fingerprints": self._fingerprints(),
-                "comlrl_version": __version__, "algorithm": self._algorithm_state()}
+                "wandb": self.wandb_identity, "trackers": dict(self.tracker_identities), "config": self.args.to_dict(),
+                "fingerprints": self._fingerprints(), "comlrl_version": __version__,
+                "algorithm": self._algorithm_state()}
 
     def _algorithm_state(self) -> dict[str, Any]:
         """Family-specific JSON state to save (e.g. a phase of a multi-phase algorithm)."""
         return {}
 
-    def _load_algorithm_state(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`_algorithm_state` saved."""
+    def _load_algorithm_state(self, state: dict[str, Any], tensors: Optional[dict[str, torch.Tensor]] = None) -> None:
+        """Restore what :meth:`_algorithm_state` saved (and the family's tensors, see
+        :meth:`comlrl.engine.trainer.Trainer._slots`)."""
 
     def _save(self, number: int, limit: Optional[int]) -> Path:
         """Save checkpoint ``number`` (the files are written on the manager's thread)."""
@@ -110,8 +112,9 @@ class Persistence:
         self.run_id = state["run_id"]
         self.state = TrainState.restore(state["counters"], state["log_window"])
         self.wandb_identity = state["wandb"]
+        self.tracker_identities = dict(state["trackers"])
         self._reset_pending()
-        self._load_algorithm_state(state["algorithm"])
+        self._load_algorithm_state(state["algorithm"], state.get("data"))
         logger.info("comlrl: resumed %s at epoch %d, env_step %d", path, self.state.epoch, self.state.env_step)
         return self.state.checkpoint
 

@@ -11,6 +11,8 @@ from typing import Any, Optional, Sequence, Union
 
 from ..exceptions import ConfigError
 from ..schedulers.device_scheduler import DeviceScheduler, normalize_parallel_training
+from ..tracking.mlflow import check_tracking_uri
+from ..tracking.trackers import check_report_to, check_report_to_installed
 from .config import (Config, check_bool, check_choice, check_float, check_int, check_str, config_class, optional,
                      setting)
 
@@ -118,6 +120,21 @@ class TrainerConfig(Config):
                         check_int(0))
     output_dir: str = setting("outputs", "Where metrics.jsonl goes when train() gets no checkpoint_dir.", check_str,
                               may_change=True)
+    report_to: Optional[Union[str, list]] = setting(
+        None, "Where metric rows go: 'jsonl' (metrics.jsonl), 'wandb', 'tensorboard', 'mlflow', a list of them, 'all' "
+              "(jsonl, wandb and each installed tracker) or 'none'; None = jsonl, plus W&B when wandb_config is given.",
+        check_report_to, may_change=True)
+    tensorboard_dir: Optional[str] = setting(None, "TensorBoard root (one run-<id> folder per run); None = "
+                                                   "<checkpoint_dir or output_dir>/tensorboard.",
+                                             optional(check_str), may_change=True)
+    mlflow_tracking_uri: Optional[str] = setting(None, "MLflow tracking server or store; None = MLFLOW_TRACKING_URI, "
+                                                       "else MLflow's default. No credentials in it (use MLflow's "
+                                                       "environment variables).", check_tracking_uri, may_change=True)
+    mlflow_experiment_name: Optional[str] = setting(None, "MLflow experiment of a new run; None = "
+                                                          "MLFLOW_EXPERIMENT_NAME, else 'comlrl'.",
+                                                    optional(check_str), may_change=True)
+    mlflow_run_name: Optional[str] = setting(None, "Name of a new MLflow run; None = MLflow picks one.",
+                                             optional(check_str), may_change=True)
     shuffle: bool = setting(False, "Reshuffle the prompts every epoch (order derived from seed and epoch).",
                             check_bool)
     warmup_steps: int = setting(0, "Linear learning-rate warmup over this many optimizer steps.", check_int(0))
@@ -161,6 +178,7 @@ class TrainerConfig(Config):
         # agent_devices' length is checked against the trainer's agent count when it places them.
         if self.reference_kl_enabled and self.reference_devices is not None:
             DeviceScheduler.resolve_devices(self.reference_devices, self._actor_count(), kind="reference_devices")
+        self._check_trackers()
         if self.rollout_backend == "vllm":
             from ..rollout.vllm import check_vllm_available
 
@@ -169,6 +187,15 @@ class TrainerConfig(Config):
             raise ConfigError(f"vllm_gpu_memory_utilization / vllm_engine_kwargs only apply to rollout_backend='vllm' "
                               f"(got rollout_backend={self.rollout_backend!r}); remove them or set "
                               "rollout_backend='vllm'.")
+
+    def _check_trackers(self) -> None:
+        check_report_to_installed(self.report_to)
+        for tracker, fields in (("tensorboard", ("tensorboard_dir",)),
+                                ("mlflow", ("mlflow_tracking_uri", "mlflow_experiment_name", "mlflow_run_name"))):
+            given = [f for f in fields if getattr(self, f) is not None]
+            if given and tracker not in (self.report_to or ()):
+                raise ConfigError(f"{' / '.join(given)}: used only when report_to includes {tracker!r} (report_to="
+                                  f"{self.report_to!r}); add {tracker!r} to report_to or remove them.")
 
     def _check_generations(self) -> None:
         """Group baselines compare a completion with its siblings: K >= 2 (actor-critic overrides)."""

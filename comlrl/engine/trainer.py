@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -21,7 +23,7 @@ from ..checkpoint.manager import CheckpointManager, Slots
 from ..exceptions import ConfigError, TrainingError
 from ..functional.logprobs import sequence_log_probs
 from ..rollout import Rollout, SamplingParams, make_backend
-from ..tracking import WandbSink, check_wandb_config
+from ..tracking import Tracker, TrackerContext, active_trackers, check_wandb_config, open_trackers
 from ..tracking.wandb import verbose_from_wandb_config
 from . import distributed as dist
 from .collect import Collector, PromptBatch
@@ -102,6 +104,7 @@ class Trainer(Evaluation, Persistence):
         self.run_id = dist.gather_objects(uuid.uuid4().hex, self.dist)[0]  # rank 0's, on every rank
         self.checkpoints = CheckpointManager(is_main=self.dist.is_main)
         self.wandb_identity: Optional[dict[str, str]] = None
+        self.tracker_identities: dict[str, dict[str, str]] = {}  # other trackers' ("mlflow"), saved with W&B's
         self.verbose = verbose_from_wandb_config(wandb_config)
         self._fingerprint_cache: Optional[dict[str, Any]] = None
         self._buffer: Optional[PlayedBuffer] = None
@@ -131,6 +134,32 @@ class Trainer(Evaluation, Persistence):
     def _policies(self) -> list[torch.nn.Module]:
         """The language models that sample, one per agent (what the rollout backend runs)."""
         return self.agents
+
+    def _finished(self) -> bool:
+        """Whether every epoch of the run is done (train() then has nothing to do)."""
+        return self.state.epoch >= self.args.num_train_epochs
+
+    def _run_schedule(self, loop: RunLoop, progress: Any) -> None:
+        """The run's work between opening and closing its trackers and checkpoint directory: the
+        epochs of buffers (a multi-phase family runs its phases around them)."""
+        while self.state.epoch < self.args.num_train_epochs:
+            loop._epoch(progress)
+
+    def _total_steps(self) -> Optional[int]:
+        """Optimizer steps of the whole run, for the progress bar (None: not known up front)."""
+        size, batch = len(self.epoch_order(0)), self._buffer_prompts()
+        per_epoch = sum(math.ceil(min(batch, size - s) / self._step_prompts()) for s in range(0, size, batch))
+        return self.args.num_train_epochs * per_epoch
+
+    def _epoch_position(self, epoch: float) -> float:
+        """The ``epoch`` value of a logged row (a family with phases may offset it)."""
+        return epoch
+
+    def _eval_due(self, start: int, count: int) -> bool:
+        """Whether to evaluate before the buffer of prompts ``start .. start + count`` of an epoch:
+        CoMLRL's cadence, before every prompt i with ``i % eval_interval == 0``."""
+        every = self.args.eval_interval
+        return bool(every) and -(-start // every) * every < start + count
 
     def _buffer_prompts(self) -> int:
         """Prompts per buffer: their episodes are played before the updates on them."""
@@ -439,15 +468,27 @@ class Trainer(Evaluation, Persistence):
         self.close()
 
     # --- trackers (used by the loop) ----------------------------------------------------------
-    def _open_wandb(self, resumed: bool) -> Optional[WandbSink]:
-        if self.wandb_config is None:
-            return None
+    def _open_trackers(self, folder: os.PathLike, resumed: bool,
+                       keep_at_boundary: Callable[[dict[str, Any]], bool]) -> list[Tracker]:
+        """The run's trackers (``report_to``), continuing their runs when ``resumed``; their
+        identities are kept for the next checkpoint."""
+        names = active_trackers(self.args.report_to, self.wandb_config)
         run_config = {**self.args.to_dict(), "model_name": self.model_name, "num_agents": self.num_agents,
                       "algorithm": self.algorithm_name, **self._run_config_extra()}
-        sink = WandbSink(self.wandb_config, run_config, identity=self.wandb_identity if resumed else None,
-                         min_step=self.state.env_step + 1 if resumed else 0)
-        self.wandb_identity = sink.identity()
-        return sink
+        ctx = TrackerContext(folder=Path(folder), run_id=self.run_id,
+                             resume_step=self.state.env_step if resumed else None, run_config=run_config,
+                             identities={"wandb": self.wandb_identity, **self.tracker_identities},
+                             keep_at_boundary=keep_at_boundary)
+        trackers = open_trackers(names, self.args, self.wandb_config, ctx)
+        for tracker in trackers:
+            identity = tracker.identity()
+            if identity is None:
+                continue
+            if tracker.name == "wandb":  # CoMLRL's own field of the checkpoint
+                self.wandb_identity = identity
+            else:
+                self.tracker_identities[tracker.name] = identity
+        return trackers
 
     def _run_config_extra(self) -> dict[str, Any]:
         return {}

@@ -35,7 +35,7 @@ def strict_json(value: Any) -> Any:
 
 
 class JsonlSink:
-    """Appends one JSON object per logged step to ``path``.
+    """Appends one JSON object per logged row to ``path`` (the ``"jsonl"`` tracker of ``report_to``).
 
     Args:
         path: the file (parents are created).
@@ -47,6 +47,8 @@ class JsonlSink:
         keep_at_boundary: which rows logged at exactly ``keep_until_step`` to keep (those logged
             after the checkpoint at that step are redone).
     """
+
+    name = "jsonl"
 
     def __init__(self, path: str | os.PathLike, run_id: Optional[str] = None, keep_until_step: Optional[int] = None,
                  keep_at_boundary: Callable[[dict[str, Any]], bool] = lambda row: True):
@@ -73,7 +75,9 @@ class JsonlSink:
         atomic_write_text(self.path, "".join(line + "\n" for line in kept))
         self._file = open(self.path, "a", encoding="utf-8")
 
-    def log(self, row: Mapping[str, Any]) -> None:
+    def log(self, row: Mapping[str, Any], step: Optional[int] = None) -> None:
+        """Append ``row`` (which carries its own ``env_step``; ``step`` is accepted for the
+        :class:`~comlrl.tracking.Tracker` interface)."""
         record = dict(row) if self.run_id is None else {**row, "run_id": self.run_id}
         self._file.write(json.dumps(strict_json(record), sort_keys=True, allow_nan=False) + "\n")
         self._file.flush()
@@ -83,9 +87,13 @@ class JsonlSink:
         self._file.flush()
         os.fsync(self._file.fileno())
 
-    def close(self) -> None:
+    def close(self, success: bool = True) -> None:
         if not self._file.closed:
             self._file.close()
+
+    def identity(self) -> None:
+        """Nothing to save: the file is found by its path and its rows by ``run_id``."""
+        return None
 
 
 def _free_name(path: Path) -> Path:

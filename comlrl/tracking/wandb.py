@@ -102,7 +102,7 @@ def check_identity(identity: Any, where: str) -> Optional[dict[str, str]]:
 
 
 class WandbSink:
-    """One W&B run, initialised once, never prompting.
+    """One W&B run, initialised once, never prompting (the ``"wandb"`` tracker of ``report_to``).
 
     With no credentials (and no explicit ``mode`` / ``WANDB_MODE``) the run is offline, announced
     once with the command that uploads it later.
@@ -113,6 +113,8 @@ class WandbSink:
         identity: a saved run identity to continue (``resume="allow"``), or None.
         min_step: steps below this are not sent (W&B would drop them anyway, with a warning).
     """
+
+    name = "wandb"
 
     def __init__(self, wandb_config: Mapping[str, Any], run_config: Mapping[str, Any],
                  identity: Optional[Mapping[str, str]] = None, min_step: int = 0):
@@ -126,7 +128,7 @@ class WandbSink:
                     config.setdefault(key, identity[key])
             config.setdefault("resume", "allow")
         kwargs = wandb_init_kwargs(config, dict(run_config))
-        kwargs["project"] = kwargs.get("project") or "comlrl"
+        kwargs["project"] = kwargs.get("project") or os.environ.get("WANDB_PROJECT") or "comlrl"
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         for key in PASSTHROUGH_KEYS - {"config"}:
             if key in config:
@@ -153,18 +155,25 @@ class WandbSink:
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log at ``step``; steps below the last one logged (or the resumed run's) are dropped, as
-        W&B would drop them; several rows at one step (evaluation and training) are merged."""
+        W&B would drop them; several rows at one step (evaluation and training) are merged.
+        ``env_step`` is the step itself, not a metric."""
         if step < self.min_step:
             return
-        self.run.log(dict(metrics), step=step)
+        self.run.log({k: v for k, v in metrics.items() if k != "env_step"}, step=step)
         self.min_step = step
 
-    def close(self) -> None:
+    def sync(self) -> None:
+        """Nothing to do: W&B streams (or writes offline) on its own."""
+
+    def close(self, success: bool = True) -> None:
         if self.offline:
             run_dir = str(Path(self.run.dir).parent)  # run.dir is the run's files/ folder
             logger.warning("comlrl: W&B run %s was logged offline in %s; upload it with `wandb sync %s`.",
                            self.run.id, run_dir, run_dir)
-        self.run.finish()
+        if success:
+            self.run.finish()
+        else:  # marks the run failed
+            self.run.finish(exit_code=1)
 
 
 def _logged_in(wandb: Any) -> bool:

@@ -28,7 +28,9 @@ def read_checkpoint_metadata(checkpoint: str | os.PathLike) -> dict[str, Any]:
     * ``version``, ``trainer_class``, ``sequence`` (the checkpoint number), ``run_id``;
 
     and comlrl's: ``checkpoint``, ``epoch``, ``items_in_epoch``, ``env_step``, ``global_step``,
-    ``num_train_epochs``, ``config``, ``comlrl_version``, ``path``.
+    ``num_train_epochs``, ``config``, ``comlrl_version``, ``path``, and ``trackers``: the other
+    trackers' saved identities, e.g. ``{"mlflow": {"run_id", "experiment_id"}}`` (``{}`` when
+    none; docs/tracking.md).
 
     Raises:
         CheckpointError: the path is missing, incomplete, edited or malformed.
@@ -42,7 +44,7 @@ def read_checkpoint_metadata(checkpoint: str | os.PathLike) -> dict[str, Any]:
                 "sequence": legacy.sequence, "run_id": legacy.run_id, "checkpoint": legacy.sequence,
                 "epoch": legacy.epoch, "items_in_epoch": 0, "env_step": legacy.env_step, "global_step": None,
                 "num_train_epochs": None, "config": legacy.config, "comlrl_version": "1.4.3",
-                "path": str(legacy.path)}
+                "path": str(legacy.path), "trackers": {}}
     manifest = files.read_manifest(path)
     state = validate_state(files.read_state(path), path, manifest["checkpoint"])
     counters = state["counters"]
@@ -51,7 +53,7 @@ def read_checkpoint_metadata(checkpoint: str | os.PathLike) -> dict[str, Any]:
             "epoch": counters["epoch"], "items_in_epoch": counters["items_in_epoch"],
             "env_step": counters["env_step"], "global_step": counters["global_step"],
             "num_train_epochs": state["num_train_epochs"], "config": state["config"],
-            "comlrl_version": state["comlrl_version"], "path": str(path)}
+            "comlrl_version": state["comlrl_version"], "path": str(path), "trackers": state["trackers"]}
 
 
 def find_latest_checkpoint(directory: str | os.PathLike) -> Optional[Path]:

@@ -1,7 +1,12 @@
-"""The preference family (CoMLRL's ``comlrl.trainers.preference``). For now: the centralised
-adapters shared with :class:`comlrl.trainers.reinforce.CentralizedMAGRPOTrainer`."""
+"""The preference family (CoMLRL's ``comlrl.trainers.preference``): MADPO, MARLHF and their
+iterative variants, and the centralised adapters shared with centralised MAGRPO."""
 
 from .centralized import (CentralizedComparatorAdapter, CentralizedComparatorParseError,
                           TaggedCentralizedComparatorAdapter)
+from .iterative import MADPOIterConfig, MADPOIterTrainer, MARLHFIterConfig, MARLHFIterTrainer
+from .madpo import MADPOConfig, MADPOTrainer
+from .marlhf import JointRewardModel, MARLHFConfig, MARLHFTrainer
 
-__all__ = ["CentralizedComparatorAdapter", "CentralizedComparatorParseError", "TaggedCentralizedComparatorAdapter"]
+__all__ = ["MADPOConfig", "MADPOTrainer", "CentralizedComparatorAdapter", "CentralizedComparatorParseError",
+           "TaggedCentralizedComparatorAdapter", "MADPOIterConfig", "MADPOIterTrainer", "MARLHFConfig",
+           "MARLHFTrainer", "MARLHFIterConfig", "MARLHFIterTrainer", "JointRewardModel"]

@@ -101,8 +101,8 @@ class MAGRPOTrainer(Trainer):
     # --- one buffer ----------------------------------------------------------------------------
     def _collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
         """Rollout, score and returns for this process's prompts of the buffer."""
-        if not mine:
-            return PlayedBuffer([], {})
+        if not mine:  # this process has no prompt in the buffer
+            return PlayedBuffer([], {}, {"returns": []})
         table = self._table("train")
         turns = self._collector(table).play(self._batch(table, mine), num_generations=self.args.num_generations,
                                             num_turns=self.args.num_turns, seed_of=train_seeds(self.args.seed, epoch),

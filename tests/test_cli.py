@@ -1,0 +1,328 @@
+"""The ``comlrl`` command line end to end (subprocesses of ``python -m comlrl``), and its parts in process.
+
+One seed run is trained once per module (2 epochs, 8 tokens, W&B offline) and then listed, resumed,
+exported and plotted; the error cases check the one-line messages that name the key and the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from comlrl.cli import main
+from comlrl.cli.yamlconf import CliError, Document, load_document, parse_value
+
+ROOT = Path(__file__).resolve().parents[1]
+SEED = ROOT / "examples" / "configs" / "seed.yaml"
+TWO_TURN = ROOT / "examples" / "configs" / "two_turn.yaml"
+FAST = ["--max_new_tokens", "8"]
+
+
+def comlrl(*args: str, cwd: Path, expect: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "comlrl", *args], cwd=cwd, capture_output=True, text=True,
+                            timeout=timeout, env={**os.environ, "COMLRL_DISABLE_PROGRESS": "1"})
+    assert result.returncode == expect, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result
+
+
+def wandb_flags(tmp: Path) -> list[str]:
+    return ["--trainer.wandb_config", json.dumps({"project": "cli-test", "name": "seed", "dir": str(tmp / "wb"),
+                                                  "mode": "offline"})]
+
+
+@pytest.fixture(scope="module")
+def seed_run(tmp_path_factory):
+    """The example seed config trained for its 2 epochs, a checkpoint after each."""
+    work = tmp_path_factory.mktemp("cli")
+    result = comlrl("train", str(SEED), *FAST, "--checkpoint_dir", "runs/seed", *wandb_flags(work), cwd=work)
+    return work, work / "runs" / "seed", result
+
+
+def test_train_writes_checkpoints_and_metrics(seed_run):
+    work, run, result = seed_run
+    assert sorted(p.name for p in run.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows and rows[-1]["epoch"] == 2
+    assert "MAGRPO trained to epoch 2" in result.stdout
+    assert "Traceback" not in result.stderr
+
+
+def test_checkpoints_table(seed_run):
+    work, run, _ = seed_run
+    from comlrl.utils import read_checkpoint_metadata
+
+    out = comlrl("checkpoints", str(run), cwd=work).stdout
+    run_id = read_checkpoint_metadata(run / "checkpoint-2")["run_id"]
+    lines = out.splitlines()
+    assert lines[0].split() == ["checkpoint", "epoch", "env_step", "step", "run", "id", "status"]
+    assert lines[1].split()[:3] == ["checkpoint-1", "1", "16"] and lines[1].endswith("verified")
+    assert lines[2].split()[:3] == ["checkpoint-2", "2", "32"] and run_id[:12] in lines[2]
+    assert "--resume auto continues from checkpoint-2" in out
+
+
+def test_checkpoints_table_names_a_damaged_checkpoint(seed_run, tmp_path, capsys):
+    _, run, _ = seed_run
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy)
+    weights = copy / "checkpoint-2" / "agent-0" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    assert main(["checkpoints", str(copy)]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("checkpoint-2"))
+    assert "NOT VERIFIED" in line and "agent-0/model.safetensors" in line and "sha256" in line
+    assert "--resume auto continues from checkpoint-1" in out
+    assert main(["checkpoints", str(copy), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["verified"] for r in rows] == [True, False] and rows[0]["resume_auto"]
+
+
+def test_resume_auto_continues_the_same_run(seed_run, tmp_path):
+    work, run, _ = seed_run
+    from comlrl.utils import read_checkpoint_metadata
+
+    copy = tmp_path / "runs" / "seed"
+    shutil.copytree(run, copy)
+    before = read_checkpoint_metadata(copy / "checkpoint-2")
+    result = comlrl("train", str(SEED), *FAST, "--checkpoint_dir", "runs/seed", *wandb_flags(work),
+                    "--resume", "auto", "--num_train_epochs", "3", cwd=tmp_path)
+    assert "resuming from runs/seed/checkpoint-2" in result.stdout
+    assert before["wandb"] and f"continuing W&B run {before['wandb']['id']}" in result.stdout
+    after = read_checkpoint_metadata(copy / "checkpoint-3")
+    assert after["run_id"] == before["run_id"] and after["epoch"] == 3 and after["env_step"] == 48
+    assert after["wandb"]["id"] == before["wandb"]["id"]
+    steps = [json.loads(line)["env_step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)) and steps[-1] == 48
+
+
+def test_export_writes_loadable_agents(seed_run, tmp_path):
+    work, run, _ = seed_run
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "final"
+    result = comlrl("export", str(run / "checkpoint-2"), str(out), "--config", str(SEED), *FAST,
+                    *wandb_flags(work), cwd=tmp_path)
+    assert "agent_0, agent_1" in result.stdout
+    for i in range(2):
+        model = AutoModelForCausalLM.from_pretrained(out / f"agent_{i}")
+        saved = load_file(str(run / "checkpoint-2" / f"agent-{i}" / "model.safetensors"))
+        state = model.state_dict()
+        assert saved and all((state[k] == v).all() for k, v in saved.items())
+
+
+def test_export_refuses_a_config_that_differs(seed_run, tmp_path, capsys):
+    _, run, _ = seed_run
+    assert main(["export", str(run / "checkpoint-2"), str(tmp_path / "x"), "--config", str(SEED),
+                 "--max_new_tokens", "9", "--trainer.wandb_config", "null"]) == 2
+    err = capsys.readouterr().err
+    assert "seed.yaml does not describe the run" in err and "config.max_new_tokens: saved 8, now 9" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_plot_writes_a_png(seed_run, tmp_path):
+    _, run, _ = seed_run
+    out = tmp_path / "curve.png"
+    result = comlrl("plot", str(run), "--out", str(out), cwd=tmp_path)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "train/reward_mean" in result.stdout
+
+
+def test_plot_without_matplotlib_says_what_to_install(seed_run, monkeypatch, capsys):
+    _, run, _ = seed_run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["plot", str(run)]) == 2
+    assert "pip install 'comlrl[plot]'" in capsys.readouterr().err
+
+
+def test_version(tmp_path):
+    from comlrl import __version__
+
+    assert comlrl("--version", cwd=tmp_path).stdout.strip() == f"comlrl {__version__}"
+
+
+# --- user errors: one line naming the key and the file, exit status 2, no traceback -------------
+
+def write_config(tmp_path: Path, args: str = "", trainer_extra: str = "") -> Path:
+    config = tmp_path / "config.yaml"
+    config.write_text(f"""trainer:
+  name: MAGRPO
+  agent_model: tiny
+  reward_func: comlrl.testing:length_ratio_reward
+  train_dataset: {ROOT / 'examples' / 'configs' / 'seed_prompts.jsonl'}
+{trainer_extra}  args:
+    num_turns: 1
+    max_new_tokens: 8
+{args}""")
+    return config
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("comlrl ")]
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_unknown_key_names_key_file_and_the_closest_name(tmp_path):
+    config = write_config(tmp_path, args="    num_generation: 4\n")
+    line = one_line_error(comlrl("train", str(config), cwd=tmp_path, expect=2))
+    assert "config.yaml:9: trainer.args.num_generation: unknown key (did you mean 'num_generations'?)" in line
+
+
+def test_bad_value_names_key_and_file(tmp_path):
+    config = write_config(tmp_path, args="    num_generations: 0\n")
+    line = one_line_error(comlrl("train", str(config), cwd=tmp_path, expect=2))
+    assert "config.yaml:9: trainer.args.num_generations: must be an int >= 1" in line
+
+
+def test_missing_reward_module_names_key(tmp_path):
+    config = write_config(tmp_path)
+    line = one_line_error(comlrl("train", str(config), "--trainer.reward_func", "no_such_rewards:score",
+                                 cwd=tmp_path, expect=2))
+    assert "--trainer.reward_func (trainer.reward_func): cannot import module 'no_such_rewards'" in line
+
+
+def test_errors_in_process(tmp_path, capsys):
+    """The other mistakes, without a subprocess each."""
+    config = write_config(tmp_path)
+    cases = [
+        (["--num_generatons", "3"], "unrecognized argument '--num_generatons' (did you mean --num_generations?)"),
+        (["--trainer", "MAGRPX"], "trainer.name: unknown trainer 'MAGRPX' (did you mean 'MAGRPO'?)"),
+        (["--trainer.agent_modle", "x"], "(trainer.agent_modle): unknown key (did you mean 'agent_model'?)"),
+        (["--trainer.args.learning_rate", "1"], "unknown key (did you mean 'agent_learning_rate'?)"),
+        (["--num_generations", "1"], "--num_generations (trainer.args.num_generations): must be >= 2"),
+        (["--trainer.reward_func", "comlrl.testing:length_ratio"], "has no attribute 'length_ratio' (did you mean "
+                                                                    "'length_ratio_reward'?)"),
+        (["--trainer.reward_func", "missing.py:f"], "file 'missing.py' not found"),
+        (["--trainer.train_dataset", "nope.jsonl"], "(trainer.train_dataset): file 'nope.jsonl' not found"),
+        (["--trainer.train_dataset", "{path: " + str(ROOT / "examples/configs/seed_prompts.jsonl") +
+          ", prompt_column: text}"], "the dataset has no column 'text'; its columns: prompt"),
+        (["--trainer.num_agents", "3", "--num_agents", "2"], "trainer.args.num_agents): is 2 but trainer.num_agents "
+                                                               "is 3"),
+        (["--resume", "auto"], "'auto' resumes from train.checkpoint_dir, which is not set"),
+        (["--num_turns", "2"], "num_turns=2 needs an external_transition"),
+    ]
+    for extra, expected in cases:
+        assert main(["train", str(config), *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert expected in err and err.count("\n") == 1, (extra, err)
+    (tmp_path / "top.yaml").write_text("trainer:\n  name: MAGRPO\nseed: 3\n")
+    assert main(["train", str(tmp_path / "top.yaml")]) == 2
+    assert "top.yaml:3: seed: unknown key; seed is a config field: write it under trainer.args" in \
+        capsys.readouterr().err
+    (tmp_path / "dup.yaml").write_text("trainer:\n  name: MAGRPO\n  name: IAC\n")
+    assert main(["train", str(tmp_path / "dup.yaml")]) == 2
+    assert "dup.yaml:3: trainer.name: duplicate key" in capsys.readouterr().err
+    assert main(["train", str(tmp_path / "missing.yaml")]) == 2
+    assert "config file" in capsys.readouterr().err
+    assert main(["export", "ckpt", "out"]) == 2
+    assert "needs the run's config (--config CONFIG.yaml)" in capsys.readouterr().err
+
+
+def test_an_existing_run_is_not_overwritten_without_resume(seed_run, tmp_path):
+    _, run, _ = seed_run
+    shutil.copytree(run, tmp_path / "runs" / "seed")
+    line = one_line_error(comlrl("train", str(SEED), *FAST, "--checkpoint_dir", "runs/seed",
+                                 "--trainer.wandb_config", "null", cwd=tmp_path, expect=2))
+    assert "already holds checkpoint-1" in line and "--resume auto" in line
+
+
+# --- the parts ------------------------------------------------------------------------------------
+
+def test_yaml_numbers_lines_and_flag_values(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  args:\n    agent_learning_rate: 1e-3\n    top_k: null\n")
+    doc = load_document(path)
+    assert doc.data["trainer"]["args"] == {"agent_learning_rate": 1e-3, "top_k": None}
+    assert doc.where(("trainer", "args", "top_k")) == "c.yaml:4: trainer.args.top_k"
+    assert doc.where(("trainer", "args", "seed")) == "c.yaml:2: trainer.args.seed"
+    assert parse_value("1e-3") == 1e-3 and parse_value("[cuda:0, cuda:1]") == ["cuda:0", "cuda:1"]
+    assert parse_value("null") is None and parse_value("007", as_string=True) == "007"
+    doc.set(("trainer", "args", "seed"), 3, "--seed")
+    assert doc.where(("trainer", "args", "seed")) == "--seed (trainer.args.seed)"
+    with pytest.raises(CliError, match="is not a mapping"):
+        Document(data={"trainer": {"train_dataset": "x.jsonl"}}).set(("trainer", "train_dataset", "split"), "a",
+                                                                        "--trainer.train_dataset.split")
+
+
+def test_registry_finds_every_family_by_any_spelling():
+    from comlrl.cli.registry import available_trainers, lookup_trainer
+    from comlrl.trainers.actor_critic import IACConfig, MAACTrainer
+    from comlrl.trainers.reinforce import MAGRPOConfig, MAReMaxTrainer
+
+    found, failed = available_trainers()
+    assert {"MAGRPO", "MAREINFORCE", "MARLOO", "MAReMax", "IAC", "MAAC"} <= set(found), failed
+    assert lookup_trainer("magrpo").config is MAGRPOConfig
+    assert lookup_trainer("MAReMaxTrainer").trainer is MAReMaxTrainer
+    assert lookup_trainer("IAC").config is IACConfig
+    assert lookup_trainer("comlrl.trainers.actor_critic:MAACTrainer").trainer is MAACTrainer
+    with pytest.raises(ValueError, match="did you mean 'MAAC'"):
+        lookup_trainer("MAAX")
+
+
+def test_every_config_field_is_a_flag():
+    import dataclasses
+
+    from comlrl.cli.registry import available_trainers
+    from comlrl.cli.runconfig import options_for
+
+    for entry in available_trainers()[0].values():
+        flags = {flag for option in options_for(entry) for flag in option.flags}
+        for f in dataclasses.fields(entry.config):
+            assert f"--trainer.args.{f.name}" in flags and f"--{f.name}" in flags, (entry.name, f.name)
+        assert {"--resume", "--checkpoint_dir", "--save_steps", "--trainer.reward_func"} <= flags
+
+
+def test_datasets_objects_and_the_tiny_model(tmp_path):
+    from comlrl.cli.runconfig import _resolve, load_dataset_spec
+    from comlrl.testing import tiny_model_dir
+
+    (tmp_path / "d.csv").write_text("text,answer\nhello,1\nworld,2\nagain,3\n")
+    doc = Document(data={}, file=tmp_path / "c.yaml")
+    ds = load_dataset_spec(doc, ("trainer", "train_dataset"),
+                           {"path": "d.csv", "prompt_column": "text", "columns": {"answer": "label"}, "limit": 2})
+    assert ds.column_names == ["prompt", "label"] and ds["prompt"] == ["hello", "world"]
+    assert load_dataset_spec(doc, ("k",), ["a", "b"])["prompt"] == ["a", "b"]
+    assert load_dataset_spec(doc, ("k",), [{"prompt": "a", "x": 1}])["x"] == [1]
+    assert _resolve(doc, ("trainer", "agent_model"), "tiny", "model") == str(tiny_model_dir())
+    assert _resolve(doc, ("trainer", "agent_model"), {"call": "comlrl.testing:tiny_model_dir"}, "model") == \
+        str(tiny_model_dir())
+    scale = _resolve(doc, ("trainer", "reward_processor"),
+                     {"call": "comlrl.utils:RewardProcessors.scale", "factor": 3.0}, "callable")
+    assert scale(2.0) == 6.0
+    (tmp_path / "rewards.py").write_text("def score(a, b):\n    return [1.0] * len(a)\n")
+    score = _resolve(doc, ("trainer", "reward_func"), "rewards.py:score", "callable")
+    assert score.__module__ == "comlrl_files.rewards" and score(["x"], ["y"]) == [1.0]
+
+
+def test_two_turn_example_config_is_valid():
+    """The two-turn example parses, its functions import, and its config builds (no training)."""
+    from comlrl.cli.runconfig import _resolve, check_run
+    from comlrl.cli.yamlconf import load_document
+
+    spec = check_run(load_document(TWO_TURN))
+    assert spec.config.num_turns == 2 and spec.config.discount == 0.9
+    transition = _resolve(spec.doc, ("trainer", "external_transition"), spec.trainer_values["external_transition"],
+                          "callable")
+    assert transition("p", ["draft", "notes"])[0].endswith("draft")
+
+
+@pytest.mark.slow
+def test_train_under_torchrun(tmp_path):
+    """The same command under torchrun (2 gloo processes): one report, one set of checkpoints."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "-m", "comlrl", "train", str(SEED), *FAST, "--checkpoint_dir", "runs/ddp",
+                             "--trainer.wandb_config", "null"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "COMLRL_DISABLE_PROGRESS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("MAGRPO trained to epoch 2") == 1
+    assert sorted(p.name for p in (tmp_path / "runs" / "ddp").glob("checkpoint-*")) == ["checkpoint-1",
+                                                                                        "checkpoint-2"]
