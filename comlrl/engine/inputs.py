@@ -170,11 +170,12 @@ def _check_tokenizer(i: int, tok: Any, model: torch.nn.Module) -> None:
 
 
 def check_context(models: Sequence[torch.nn.Module], max_new_tokens: int) -> None:
-    """``max_new_tokens`` must leave room for a prompt in every model's context window."""
+    """``max_new_tokens`` must fit every model's context window (completions that would run past the
+    window with their prompt are cut there: see comlrl.rollout.transformers_loop.fit_context)."""
     for i, model in enumerate(models):
         config = getattr(model, "config", None)
         window = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-        if isinstance(window, int) and max_new_tokens >= window:
+        if isinstance(window, int) and max_new_tokens > window:
             raise ConfigError(f"max_new_tokens={max_new_tokens} does not fit agent {i}'s context of {window} "
                               f"positions (prompt and completion together); set max_new_tokens below {window}.")
 

@@ -8,6 +8,8 @@ numbers (:mod:`comlrl.rollout.sampling`). It stops as soon as every row has prod
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import inspect
 import logging
@@ -135,6 +137,28 @@ def _prepare(model: torch.nn.Module, tokenizer, prompts: Sequence[str], seeds: S
     return _Prepared(prompt_ids, prompt_mask, uniforms, group_ids)
 
 
+_CUT_WARNED: set = set()
+
+
+def fit_context(models: Sequence[torch.nn.Module], prompt_widths: Sequence[int], params: SamplingParams
+                ) -> SamplingParams:
+    """``params`` with max_new_tokens lowered so that prompt and completion fit every model's context
+    window (said once per window): completions are cut there rather than running past it."""
+    room = params.max_new_tokens
+    for model, width in zip(models, prompt_widths):
+        config = getattr(model, "config", None)
+        window = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        if isinstance(window, int):
+            room = min(room, max(1, window - width))
+    if room == params.max_new_tokens:
+        return params
+    if room not in _CUT_WARNED:
+        _CUT_WARNED.add(room)
+        logger.warning("comlrl: prompt and max_new_tokens=%d exceed the model's context; completions of these "
+                       "prompts stop after %d tokens.", params.max_new_tokens, room)
+    return dataclasses.replace(params, max_new_tokens=room)
+
+
 def _finish(prepared: _Prepared, completion_ids: torch.Tensor, tokenizer, eos_token_ids: Sequence[int]) -> Rollout:
     # clone(): tensors made under inference_mode cannot enter the autograd graph of the update.
     completion_ids = completion_ids.clone()
@@ -157,6 +181,7 @@ def rollout(model: torch.nn.Module, tokenizer, prompts: Sequence[str], seeds: Se
         A :class:`Rollout` with ``R = G * K`` rows, prompt-major.
     """
     prepared = _prepare(model, tokenizer, prompts, seeds, params, add_special_tokens)
+    params = fit_context([model], [prepared.prompt_ids.shape[1]], params)
     with _eval_mode([model]):
         completion_ids = generate(model, prepared.prompt_ids, prepared.prompt_mask, prepared.uniforms, params,
                                   eos_token_ids, tokenizer.pad_token_id, backend)
@@ -180,6 +205,7 @@ def rollout_agents(models: Sequence[torch.nn.Module], tokenizers: Sequence[Any],
     # Tokenizers are not thread-safe: encode here, whatever samples afterwards.
     prepared = [_prepare(m, t, p, s, params, add)
                 for m, t, p, s, add in zip(models, tokenizers, prompts, seeds, add_special_tokens)]
+    params = fit_context(models, [p.prompt_ids.shape[1] for p in prepared], params)
     pads = [t.pad_token_id for t in tokenizers]
     completions = None
     with _eval_mode(models):

@@ -8,6 +8,8 @@ N agents had answered). Names and call conventions are CoMLRL 1.4.3's.
 from __future__ import annotations
 
 import copy
+
+import torch
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ...engine.prompts import build_formatter_list
@@ -16,7 +18,7 @@ from ...engine.roles import RoleSplit
 from ...exceptions import RewardError
 from ...utils.reward_utils import resolve_reward_range
 
-__all__ = ["CentralizedCollaboration"]
+__all__ = ["CentralizedCollaboration", "joint_sequence_log_prob"]
 
 
 class CentralizedCollaboration(RoleSplit):
@@ -79,3 +81,34 @@ class CentralizedCollaboration(RoleSplit):
                     expanded.append(view)
             return callback(expanded)
         return per_role
+
+
+def joint_sequence_log_prob(agent: torch.nn.Module, tokenizer: Any, prompt_ids: torch.Tensor,
+                            completion_ids: torch.Tensor) -> torch.Tensor:
+    """The log-probability of one completion (every token up to its first pad, that pad included
+    when it is the EOS) after one prompt, as a differentiable scalar (CoMLRL's helper). The model
+    runs in whatever train / eval mode it is in.
+
+    Args:
+        prompt_ids: ``[P]`` the prompt's token ids (non-empty).
+        completion_ids: ``[T]`` the completion's ids, possibly padded.
+    """
+    from ...models.actor_critic import unwrap_policy
+
+    model = unwrap_policy(agent)
+    device = next(model.parameters()).device
+    prompt = prompt_ids.detach().clone().reshape(-1).to(device)
+    tokens = completion_ids.detach().clone().reshape(-1).to(device)
+    if not len(prompt):
+        raise ValueError("joint_sequence_log_prob needs a non-empty tokenized prompt.")
+    pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
+    if pad is not None:
+        at = (tokens == pad).nonzero()
+        if len(at):
+            end = int(at[0]) + (1 if pad == eos else 0)
+            tokens = tokens[:end]
+    if not len(tokens):
+        return torch.zeros((), device=device, requires_grad=True)
+    inputs = torch.cat([prompt, tokens[:-1]])[None]
+    logits = model(input_ids=inputs, use_cache=False).logits[0, len(prompt) - 1:]
+    return logits.float().log_softmax(-1).gather(1, tokens[:, None]).sum()
