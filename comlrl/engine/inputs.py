@@ -21,7 +21,7 @@ from ..exceptions import ConfigError, TokenizerError
 from ..schedulers.device_scheduler import DeviceScheduler, check_available
 
 __all__ = ["ResolvedAgents", "resolve_agents", "agent_count", "model_kwargs", "infer_model_name", "eos_token_ids",
-           "frozen_copies", "check_tokenizers_usable", "check_context"]
+           "frozen_copies", "check_tokenizers_usable", "check_context", "distinct_modules", "wants_cuda"]
 
 logger = logging.getLogger("comlrl")
 
@@ -283,3 +283,27 @@ def frozen_copies(models: Sequence[torch.nn.Module], devices: Sequence[torch.dev
             continue
         out.append(copy.deepcopy(model).to(device).eval().requires_grad_(False))
     return out
+
+
+def distinct_modules(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Modules every process must start equal (rank 0's); a LoRA base once with every adapter."""
+    from ..adapters import AdapterAgent
+    from ..models.actor_critic import unwrap_policy
+
+    out, shared = [], {}
+    for m in models:
+        inner = unwrap_policy(m)
+        if isinstance(inner, AdapterAgent):
+            shared.setdefault(id(inner.shared), inner.shared)
+            if inner is not m:  # a value head beside the adapter
+                out.extend(c for n, c in m.named_children() if n != "model")
+        else:
+            out.append(m)
+    return out + list(shared.values())
+
+
+def wants_cuda(spec: Any, count: int) -> bool:
+    """Whether the agents will train on CUDA (the process group then uses NCCL)."""
+    from ..schedulers.device_scheduler import DeviceScheduler
+
+    return any(d.type == "cuda" for d in DeviceScheduler.resolve_devices(spec, count, kind="agent_devices"))

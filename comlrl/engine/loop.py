@@ -13,13 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from . import distributed as dist
+from ..exceptions import ConfigError
 from ..tracking import Tracker
 from .timing import PhaseTimer
 
 if TYPE_CHECKING:
     from .trainer import Trainer
 
-__all__ = ["RunLoop"]
+__all__ = ["RunLoop", "check_train_args"]
 
 logger = logging.getLogger("comlrl")
 
@@ -201,3 +202,13 @@ class RunLoop:
         finally:
             bar.close()
 
+
+def check_train_args(checkpoint_dir: Any, interval: Any, limit: Any, save_steps: Any) -> None:
+    if checkpoint_dir is None and (limit is not None or save_steps is not None):
+        raise ConfigError("checkpoint_total_limit / save_steps need a checkpoint_dir.")
+    for name, value, optional in (("checkpoint_interval", interval, False), ("checkpoint_total_limit", limit, True),
+                                  ("save_steps", save_steps, True)):
+        if value is None and optional:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}.")

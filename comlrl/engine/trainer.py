@@ -29,8 +29,9 @@ from . import distributed as dist
 from .collect import Collector, PromptBatch
 from .episode import ExternalTransition
 from .evaluation import Evaluation
-from .inputs import agent_count, check_context, check_tokenizers_usable, frozen_copies, resolve_agents
-from .loop import RunLoop
+from .inputs import (agent_count, check_context, check_tokenizers_usable, distinct_modules, frozen_copies,
+                     resolve_agents, wants_cuda)
+from .loop import RunLoop, check_train_args
 from .metrics import episode_metrics, merge_records
 from .persistence import Persistence
 from .prompts import PromptTable, build_formatter_list
@@ -67,7 +68,7 @@ class Trainer(Evaluation, Persistence):
                               "or set num_turns=1.")
         self._early_checks(count)
         self.model_config = dict(model_config or {})
-        self.dist = dist.init_distributed(use_cuda=_wants_cuda(self.args.agent_devices, count))
+        self.dist = dist.init_distributed(use_cuda=wants_cuda(self.args.agent_devices, count))
         devices = self.args.agent_devices
         if self.dist.enabled and devices in (None, "auto") and torch.cuda.is_available():
             devices = "cuda"  # under torchrun, automatic placement is this process's GPU (cuda:LOCAL_RANK)
@@ -188,7 +189,7 @@ class Trainer(Evaluation, Persistence):
 
     def _broadcast_modules(self) -> list[torch.nn.Module]:
         """Modules every process must start equal (rank 0's); a LoRA base once with every adapter."""
-        return _distinct_modules(self.agents)
+        return distinct_modules(self.agents)
 
     def _references(self) -> list[torch.nn.Module]:
         """Each agent's frozen initial policy when the reference KL is on (none otherwise)."""
@@ -420,7 +421,7 @@ class Trainer(Evaluation, Persistence):
                               "config: set max_new_tokens, temperature, top_p and top_k in the config instead.")
         self._check_open()
         self.args.validate()
-        _check_train_args(checkpoint_dir, checkpoint_interval, checkpoint_total_limit, save_steps)
+        check_train_args(checkpoint_dir, checkpoint_interval, checkpoint_total_limit, save_steps)
         self._check_ready()
         self._table("train")
         self._check_world()
@@ -492,40 +493,3 @@ class Trainer(Evaluation, Persistence):
 
     def _run_config_extra(self) -> dict[str, Any]:
         return {}
-
-
-def _distinct_modules(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Modules every process must start equal (rank 0's); a LoRA base once with every adapter."""
-    from ..adapters import AdapterAgent
-    from ..models.actor_critic import unwrap_policy
-
-    out, shared = [], {}
-    for m in models:
-        inner = unwrap_policy(m)
-        if isinstance(inner, AdapterAgent):
-            shared.setdefault(id(inner.shared), inner.shared)
-            if inner is not m:  # a value head beside the adapter
-                out.extend(c for n, c in m.named_children() if n != "model")
-        else:
-            out.append(m)
-    return out + list(shared.values())
-
-
-def _wants_cuda(spec: Any, count: int) -> bool:
-    """Whether the agents will train on CUDA (the process group then uses NCCL)."""
-    from ..schedulers.device_scheduler import DeviceScheduler
-
-    return any(d.type == "cuda" for d in DeviceScheduler.resolve_devices(spec, count, kind="agent_devices"))
-
-
-def _check_train_args(checkpoint_dir: Any, interval: Any, limit: Any, save_steps: Any) -> None:
-    if checkpoint_dir is None and (limit is not None or save_steps is not None):
-        raise ConfigError("checkpoint_total_limit / save_steps need a checkpoint_dir.")
-    for name, value, optional in (("checkpoint_interval", interval, False), ("checkpoint_total_limit", limit, True),
-                                  ("save_steps", save_steps, True)):
-        if value is None and optional:
-            continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{name} must be an int >= 1{' or None' if optional else ''}, got {value!r}.")
-
-

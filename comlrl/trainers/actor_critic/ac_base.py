@@ -178,9 +178,9 @@ class ActorCriticTrainerBase(Trainer):
         return [unwrap_policy(a) for a in self.agents]
 
     def _broadcast_modules(self) -> list[torch.nn.Module]:
-        from ...engine.trainer import _distinct_modules
+        from ...engine.inputs import distinct_modules
 
-        return _distinct_modules(list(self.agents) + list(self.critics))
+        return distinct_modules(list(self.agents) + list(self.critics))
 
     def _buffer_prompts(self) -> int:
         return max(1, math.ceil(self.args.rollout_buffer_size / self.args.num_generations))
