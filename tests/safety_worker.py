@@ -1,6 +1,8 @@
 """Subprocess for test_checkpoint_safety.py: train the seed task into a checkpoint directory.
 
-``--slow S`` sleeps S seconds per optimizer step (a long run, for lock tests); ``--fail-after N``
+``--slow S`` sleeps S seconds per optimizer step (a long run, for lock tests); ``--hold FILE`` makes
+every optimizer step after the first wait until FILE exists (a run that is certainly still going
+while a test does something else, however slow the machine); ``--fail-after N``
 limits the size of any file this process writes right after checkpoint N is committed (as a full
 disk would), so the next checkpoint write fails with EFBIG.
 """
@@ -29,14 +31,21 @@ parser = argparse.ArgumentParser()
 parser.add_argument("run_dir", type=Path)
 parser.add_argument("--epochs", type=int, default=2)
 parser.add_argument("--slow", type=float, default=0.0)
+parser.add_argument("--hold", type=Path, default=None)
 parser.add_argument("--fail-after", type=int, default=None)
 opts = parser.parse_args()
 
-if opts.slow:
+if opts.slow or opts.hold:
     apply = magrpo.apply_gradients
+    steps = []
 
     def slow_apply(*args, **kwargs):
         time.sleep(opts.slow)
+        if opts.hold is not None and steps:
+            deadline = time.time() + 600
+            while not opts.hold.exists() and time.time() < deadline:
+                time.sleep(0.05)
+        steps.append(1)
         return apply(*args, **kwargs)
 
     magrpo.apply_gradients = slow_apply

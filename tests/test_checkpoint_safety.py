@@ -75,7 +75,8 @@ def test_two_processes_on_one_directory(make_trainer, tmp_path):
     """A second process is refused at once; the first finishes with every checkpoint and row, and
     resuming it is exact. A kill -9 releases the lock."""
     d = tmp_path / "shared"
-    first = _worker(d, "--epochs", "3", "--slow", "0.3")
+    go_on = tmp_path / "go-on"  # the first run waits at its second step until the second was refused
+    first = _worker(d, "--epochs", "3", "--hold", str(go_on))
     deadline = time.time() + 120
     while not (d / ".comlrl.lock").exists() or not (d / "metrics.jsonl").exists():
         assert time.time() < deadline and first.poll() is None, first.communicate()
@@ -83,6 +84,7 @@ def test_two_processes_on_one_directory(make_trainer, tmp_path):
     second = _worker(d, "--epochs", "3")
     out, err = second.communicate(timeout=300)
     assert second.returncode != 0 and "in use by another training run" in err
+    go_on.touch()
     out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err[-3000:]
     assert sorted(p.name for p in d.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
