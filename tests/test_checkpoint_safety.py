@@ -174,6 +174,7 @@ def test_one_flipped_bit_in_the_state_is_refused_and_nothing_is_deleted(make_tra
     (lambda s: s["log_window"]["counts"].update(x=1), "'log_window' is malformed"),
     (lambda s: s["optimizers"]["agent-0"]["param_groups"][0].update(betas=[0.5, 0.5]), "hyper-parameters"),
     (lambda s: s["optimizers"]["agent-0"].update(param_groups="x"), "optimizers\\['agent-0'\\] is malformed"),
+    (lambda s: s.update(launch={"config_file": 3, "config": {"trainer": {}}}), "'launch' must be null or"),
 ])
 def test_edited_fields_are_refused_by_name(make_trainer, run, edit, words):
     forge(run / "checkpoint-2", edit)

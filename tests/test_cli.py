@@ -118,6 +118,51 @@ def test_export_writes_loadable_agents(seed_run, tmp_path):
         assert saved and all((state[k] == v).all() for k, v in saved.items())
 
 
+def test_export_needs_no_config_after_comlrl_train(seed_run, tmp_path, capsys):
+    """comlrl train records its config (overrides applied) in every checkpoint; export rebuilds the
+    trainer from it, from any working directory (relative inputs are looked up next to the config)."""
+    work, run, _ = seed_run
+    from comlrl.utils import read_checkpoint_metadata
+
+    launch = read_checkpoint_metadata(run / "checkpoint-2")["launch"]
+    assert launch["config_file"] == str(SEED)
+    assert launch["config"]["trainer"]["args"]["max_new_tokens"] == 8  # the --max_new_tokens 8 override
+    with_config, without = tmp_path / "with", tmp_path / "without"
+    comlrl("export", str(run / "checkpoint-2"), str(with_config), "--config", str(SEED), *FAST, *wandb_flags(work),
+           cwd=tmp_path)
+    result = comlrl("export", str(run / "checkpoint-2"), str(without), cwd=tmp_path)
+    assert "exported checkpoint-2 (epoch 2, env_step 32)" in result.stdout
+    for i in range(2):
+        assert (with_config / f"agent_{i}" / "model.safetensors").read_bytes() == \
+            (without / f"agent_{i}" / "model.safetensors").read_bytes()
+    # An override that contradicts the run is refused, naming the recorded config.
+    assert main(["export", str(run / "checkpoint-2"), str(tmp_path / "x"), "--max_new_tokens", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint-2's recorded config (seed.yaml) does not describe the run" in err
+    assert "config.max_new_tokens: saved 8, now 9" in err and not (tmp_path / "x").exists()
+
+
+def test_export_of_a_python_api_run_asks_for_the_config(make_trainer, tmp_path, capsys):
+    make_trainer(num_train_epochs=1).train(checkpoint_dir=tmp_path / "run")
+    assert main(["export", str(tmp_path / "run" / "checkpoint-1"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "was not trained with `comlrl train`" in err and "pass --config CONFIG.yaml" in err
+
+
+def test_the_recorded_config_leaves_secrets_out():
+    from comlrl.cli.launch import launch_record
+    from comlrl.cli.runconfig import check_run
+
+    doc = Document(data={"trainer": {"name": "MADPOIter", "agent_model": "tiny", "num_agents": 2,
+                                     "reward_func": "comlrl.testing:length_ratio_reward",
+                                     "args": {"comparator_api_key": "sk-secret", "dpo_beta": 0.2}}})
+    record = launch_record(check_run(doc))
+    assert record == {"config_file": None, "config": {"trainer": {
+        "name": "MADPOIter", "agent_model": "tiny", "num_agents": 2, "reward_func": "comlrl.testing:length_ratio_reward",
+        "args": {"dpo_beta": 0.2}}}}
+    assert "sk-secret" not in json.dumps(record)
+
+
 def test_export_refuses_a_config_that_differs(seed_run, tmp_path, capsys):
     _, run, _ = seed_run
     assert main(["export", str(run / "checkpoint-2"), str(tmp_path / "x"), "--config", str(SEED),
@@ -224,7 +269,7 @@ def test_errors_in_process(tmp_path, capsys):
     assert main(["train", str(tmp_path / "missing.yaml")]) == 2
     assert "config file" in capsys.readouterr().err
     assert main(["export", "ckpt", "out"]) == 2
-    assert "needs the run's config (--config CONFIG.yaml)" in capsys.readouterr().err
+    assert "ckpt" in capsys.readouterr().err
 
 
 def test_an_existing_run_is_not_overwritten_without_resume(seed_run, tmp_path):

@@ -52,7 +52,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 def validate_state(state: dict[str, Any], path: Path, number: int) -> dict[str, Any]:
     """Check every field of a checkpoint's state; returns it (with validated tracker identities:
-    ``wandb``, and ``trackers``, ``{}`` when a checkpoint predates it).
+    ``wandb``, and ``trackers``, ``{}`` when a checkpoint predates it; ``launch``, None when the
+    run was not launched by ``comlrl train`` or the checkpoint predates it).
 
     Raises:
         CheckpointError: naming the checkpoint and the first field that is missing or malformed.
@@ -85,7 +86,22 @@ def validate_state(state: dict[str, Any], path: Path, number: int) -> dict[str, 
         raise CheckpointError(f"checkpoint {path}: 'rng_other_ranks' does not match world_size.")
     state["wandb"] = check_identity(state.get("wandb"), f"checkpoint {path}")
     state["trackers"] = check_tracker_identities(state.get("trackers"), f"checkpoint {path}")
+    state["launch"] = _check_launch(state.get("launch"), path)
     return state
+
+
+def _check_launch(launch: Any, path: Path) -> Any:
+    """None (a run of the Python API), or what ``comlrl train`` recorded (comlrl.cli.launch)."""
+    if launch is None:
+        return None
+    ok = (_is_dict(launch) and set(launch) == {"config_file", "config"}
+          and (launch["config_file"] is None or isinstance(launch["config_file"], str))
+          and _is_dict(launch["config"]) and set(launch["config"]) == {"trainer"}
+          and _is_dict(launch["config"]["trainer"]))
+    if not ok:
+        raise CheckpointError(f"checkpoint {path}: 'launch' must be null or an object with 'config_file' and "
+                              f"'config' (a trainer: section), got {launch!r:.80}.")
+    return launch
 
 
 def counters_of(state: dict[str, Any]) -> dict[str, int]:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..exceptions import CheckpointDirError, CheckpointError, ComlrlError, ResumeMismatchError
+from .launch import launch_record, recorded_document, with_recorded_trainer
 from .registry import available_trainers
 from .runconfig import TRAIN_EXTRAS, RunSpec, build_trainer, check_run, locate_error, parse_run_args
 from .yamlconf import CliError
@@ -54,6 +55,7 @@ def train(argv: Sequence[str]) -> int:
         trainer = build_trainer(spec, wandb_config=wandb_config)
     except ComlrlError as exc:
         raise CliError(locate_error(spec, exc)) from None
+    trainer.launch_config = launch_record(spec)  # in every checkpoint: `comlrl export` needs no --config
     with trainer:
         try:
             metrics = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None, **options)
@@ -117,31 +119,35 @@ def _report(spec: RunSpec, trainer: Any, metrics: dict[str, Any], options: dict[
 def _export_fixed(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", nargs="?", metavar="CHECKPOINT", help="a checkpoint-N directory")
     parser.add_argument("out", nargs="?", metavar="OUT", help="the directory to write agent_0, agent_1, ... into")
-    parser.add_argument("--config", metavar="CONFIG.yaml", help="the YAML config the run was trained with (it "
-                                                                "names the base models of the checkpoint's weights)")
+    parser.add_argument("--config", metavar="CONFIG.yaml", help="a config of the run (default: the one `comlrl "
+                                                                "train` recorded in the checkpoint)")
     parser.add_argument("--merge", action="store_true", help="merge LoRA adapters into plain models (default: "
                                                              "LoRA agents are written as adapter folders)")
 
 
+_EXPORT_USAGE = "comlrl export CHECKPOINT OUT [--config CONFIG.yaml] [--merge] [--KEY VALUE ...]"
+
+
 def export(argv: Sequence[str]) -> int:
-    """``comlrl export CHECKPOINT OUT --config CONFIG.yaml [--merge]``."""
-    ns, doc, entry = parse_run_args(argv, "comlrl export",
-                                    "comlrl export CHECKPOINT OUT --config CONFIG.yaml [--merge] [--KEY VALUE ...]",
+    """``comlrl export CHECKPOINT OUT [--config CONFIG.yaml] [--merge]``."""
+    from ..utils import read_checkpoint_metadata
+
+    checkpoint, meta = _export_checkpoint(argv)
+    if meta is not None:
+        argv = with_recorded_trainer(argv, checkpoint, meta)
+    ns, doc, entry = parse_run_args(argv, "comlrl export", _EXPORT_USAGE,
                                     "Write a checkpoint's agents as model directories that "
                                     "AutoModelForCausalLM.from_pretrained loads.", _export_fixed,
                                     require_config=False)
     if not ns.checkpoint or not ns.out:
-        raise CliError("usage: comlrl export CHECKPOINT OUT --config CONFIG.yaml [--merge]")
-    if not ns.config:
-        raise CliError("comlrl export needs the run's config (--config CONFIG.yaml): a checkpoint holds the trained "
-                       "weights, its config names the base models they belong to.")
+        raise CliError(f"usage: {_EXPORT_USAGE}")
     checkpoint = Path(ns.checkpoint)
-    from ..utils import read_checkpoint_metadata
-
     try:
         meta = read_checkpoint_metadata(checkpoint)
     except CheckpointError as exc:
         raise CliError(str(exc)) from None
+    if not ns.config:
+        doc = recorded_document(checkpoint, meta, doc)
     spec = check_run(doc, entry)
     try:
         trainer = build_trainer(spec, wandb_config=None)  # exporting is not a tracked run
@@ -160,6 +166,23 @@ def export(argv: Sequence[str]) -> int:
     _say(f"comlrl: exported {checkpoint.name} (epoch {meta['epoch']}, env_step {meta['env_step']}) to {out}: "
          f"{', '.join(folders)}")
     return 0
+
+
+def _export_checkpoint(argv: Sequence[str]) -> tuple[Optional[Path], Optional[dict[str, Any]]]:
+    """The checkpoint ``argv`` names and its metadata, when it can be read (errors come later, with
+    the whole command line parsed)."""
+    from ..utils import read_checkpoint_metadata
+    from .runconfig import _split_other_flags
+
+    kept, _ = _split_other_flags(list(argv), {"--config", "--trainer", "--trainer.name", "--merge"})
+    positional = [t for i, t in enumerate(kept) if not t.startswith("--")
+                  and not (i and kept[i - 1] in ("--config", "--trainer", "--trainer.name"))]
+    if not positional:
+        return None, None
+    try:
+        return Path(positional[0]), read_checkpoint_metadata(positional[0])
+    except CheckpointError:
+        return None, None
 
 
 # --- checkpoints ----------------------------------------------------------------------------------

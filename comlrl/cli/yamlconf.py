@@ -55,9 +55,12 @@ class Document:
     file: Optional[Path] = None                              # None: built from flags only
     lines: dict[Key, int] = field(default_factory=dict)      # key -> line in the file
     flags: dict[Key, str] = field(default_factory=dict)      # key -> the flag that set it
+    label: Optional[str] = None                              # how errors name it, if not by its file
 
     @property
     def name(self) -> str:
+        if self.label is not None:
+            return self.label
         return self.file.name if self.file is not None else "<command line>"
 
     @property

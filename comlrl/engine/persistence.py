@@ -30,6 +30,11 @@ logger = logging.getLogger("comlrl")
 class Persistence:
     """Checkpoint and export methods of :class:`comlrl.engine.trainer.Trainer`."""
 
+    #: How the run was launched, kept in its checkpoints: ``comlrl train`` sets
+    #: ``{"config_file": str | None, "config": {"trainer": {...}}}`` so that ``comlrl export`` can
+    #: rebuild the trainer without the config file. Never read by training.
+    launch_config: Optional[dict[str, Any]] = None
+
     def _fingerprints(self) -> dict[str, Any]:
         """What a resumed run must share with this one (computed once: hashing a large tokenizer or
         dataset at every save would cost more than the save)."""
@@ -61,7 +66,7 @@ class Persistence:
         return {"run_id": self.run_id, "trainer": type(self).__name__, "counters": self.state.counters(),
                 "log_window": self.state.window.to_dict(), "num_train_epochs": self.args.num_train_epochs,
                 "wandb": self.wandb_identity, "trackers": dict(self.tracker_identities), "config": self.args.to_dict(),
-                "fingerprints": self._fingerprints(), "comlrl_version": __version__,
+                "fingerprints": self._fingerprints(), "comlrl_version": __version__, "launch": self.launch_config,
                 "algorithm": self._algorithm_state()}
 
     def _algorithm_state(self) -> dict[str, Any]:

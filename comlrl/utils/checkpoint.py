@@ -30,7 +30,8 @@ def read_checkpoint_metadata(checkpoint: str | os.PathLike) -> dict[str, Any]:
     and comlrl's: ``checkpoint``, ``epoch``, ``items_in_epoch``, ``env_step``, ``global_step``,
     ``num_train_epochs``, ``config``, ``comlrl_version``, ``path``, and ``trackers``: the other
     trackers' saved identities, e.g. ``{"mlflow": {"run_id", "experiment_id"}}`` (``{}`` when
-    none; docs/tracking.md).
+    none; docs/tracking.md); ``launch``: the config ``comlrl train`` ran it with (None for a run of
+    the Python API; see :mod:`comlrl.cli.launch`).
 
     Raises:
         CheckpointError: the path is missing, incomplete, edited or malformed.
@@ -44,7 +45,7 @@ def read_checkpoint_metadata(checkpoint: str | os.PathLike) -> dict[str, Any]:
                 "sequence": legacy.sequence, "run_id": legacy.run_id, "checkpoint": legacy.sequence,
                 "epoch": legacy.epoch, "items_in_epoch": 0, "env_step": legacy.env_step, "global_step": None,
                 "num_train_epochs": None, "config": legacy.config, "comlrl_version": "1.4.3",
-                "path": str(legacy.path), "trackers": {}}
+                "path": str(legacy.path), "trackers": {}, "launch": None}
     manifest = files.read_manifest(path)
     state = validate_state(files.read_state(path), path, manifest["checkpoint"])
     counters = state["counters"]
@@ -53,7 +54,8 @@ def read_checkpoint_metadata(checkpoint: str | os.PathLike) -> dict[str, Any]:
             "epoch": counters["epoch"], "items_in_epoch": counters["items_in_epoch"],
             "env_step": counters["env_step"], "global_step": counters["global_step"],
             "num_train_epochs": state["num_train_epochs"], "config": state["config"],
-            "comlrl_version": state["comlrl_version"], "path": str(path), "trackers": state["trackers"]}
+            "comlrl_version": state["comlrl_version"], "path": str(path), "trackers": state["trackers"],
+            "launch": state["launch"]}
 
 
 def find_latest_checkpoint(directory: str | os.PathLike) -> Optional[Path]:

@@ -1,0 +1,74 @@
+"""The config a ``comlrl train`` run was launched with, kept in its checkpoints.
+
+``comlrl train`` records the ``trainer:`` section of its config (with the command line's
+overrides applied, secrets left out) and where the config file was; every checkpoint of the run
+carries it in ``trainer_state.json`` (covered by the manifest's hash). ``comlrl export CHECKPOINT
+OUT`` then rebuilds the trainer from it, so the export needs no ``--config``: a checkpoint holds
+the trained weights, the record names the base models and inputs they belong to.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .runconfig import RunSpec, _split_other_flags
+from .yamlconf import CliError, Document, Key
+
+__all__ = ["launch_record", "recorded_document", "with_recorded_trainer"]
+
+
+def launch_record(spec: RunSpec) -> dict[str, Any]:
+    """What a run's checkpoints keep of its config: JSON only, secret config fields dropped."""
+    trainer = copy.deepcopy(spec.doc.data.get("trainer") or {})
+    args = trainer.get("args")
+    if isinstance(args, dict):
+        secret = {f.name for f in dataclasses.fields(spec.entry.config) if f.metadata.get("secret")}
+        trainer["args"] = {k: v for k, v in args.items() if k not in secret}
+    trainer = json.loads(json.dumps(trainer, default=str))  # YAML dates and the like, as text
+    return {"config_file": str(spec.doc.file) if spec.doc.file is not None else None,
+            "config": {"trainer": trainer}}
+
+
+def _recorded(checkpoint: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    launch = meta.get("launch")
+    if launch is None:
+        raise CliError(f"{checkpoint} was not trained with `comlrl train`, so it does not record its base models: "
+                       "pass --config CONFIG.yaml, a config of the run (its trainer: section).")
+    return launch
+
+
+def with_recorded_trainer(argv: Sequence[str], checkpoint: Path, meta: dict[str, Any]) -> list[str]:
+    """``argv`` with ``--trainer NAME`` of the recorded config added (so that the recorded
+    trainer's flags are known), unless it names a config or a trainer itself."""
+    kept, other = _split_other_flags(list(argv), {"--config", "--trainer", "--trainer.name", "--merge"})
+    given = {token.partition("=")[0] for token in kept} | {flag for flag, _ in other}
+    if given & {"--config", "--trainer", "--trainer.name"} or meta.get("launch") is None:
+        return list(argv)
+    name = _recorded(checkpoint, meta)["config"]["trainer"].get("name")
+    if not isinstance(name, str) or ":" in name:  # a trainer of the user's own file: found via the record
+        return list(argv)
+    return [*argv, "--trainer", name]
+
+
+def recorded_document(checkpoint: Path, meta: dict[str, Any], flags: Document) -> Document:
+    """The recorded config of ``checkpoint``'s run, with the overrides of ``flags`` on top.
+
+    Relative input paths are looked up next to the original config file, then in the working
+    directory, as they were for ``comlrl train``."""
+    launch = _recorded(checkpoint, meta)
+    config_file = launch["config_file"]
+    doc = Document(data=copy.deepcopy(launch["config"]), file=Path(config_file) if config_file else None,
+                   label=f"{checkpoint.name}'s recorded config" + (f" ({Path(config_file).name})" if config_file else ""))
+    for key, flag in flags.flags.items():
+        doc.set(key, _value_at(flags.data, key), flag)
+    return doc
+
+
+def _value_at(data: Any, key: Key) -> Optional[Any]:
+    for part in key:
+        data = data[part]
+    return data
