@@ -327,7 +327,7 @@ def test_every_config_field_is_a_flag():
 
 
 def test_datasets_objects_and_the_tiny_model(tmp_path):
-    from comlrl.cli.runconfig import _resolve, load_dataset_spec
+    from comlrl.cli.build import _resolve, load_dataset_spec
     from comlrl.testing import tiny_model_dir
 
     (tmp_path / "d.csv").write_text("text,answer\nhello,1\nworld,2\nagain,3\n")
@@ -350,7 +350,8 @@ def test_datasets_objects_and_the_tiny_model(tmp_path):
 
 def test_two_turn_example_config_is_valid():
     """The two-turn example parses, its functions import, and its config builds (no training)."""
-    from comlrl.cli.runconfig import _resolve, check_run
+    from comlrl.cli.build import _resolve
+    from comlrl.cli.runconfig import check_run
     from comlrl.cli.yamlconf import load_document
 
     spec = check_run(load_document(TWO_TURN))

@@ -14,7 +14,8 @@ from typing import Any, Optional, Sequence
 from ..exceptions import CheckpointDirError, CheckpointError, ComlrlError, ResumeMismatchError
 from .launch import launch_record, recorded_document, with_recorded_trainer
 from .registry import available_trainers
-from .runconfig import TRAIN_EXTRAS, RunSpec, build_trainer, check_run, locate_error, parse_run_args
+from .build import build_trainer
+from .runconfig import TRAIN_EXTRAS, RunSpec, _split_other_flags, check_run, locate_error, parse_run_args
 from .yamlconf import CliError
 
 __all__ = ["train", "export", "checkpoints", "plot", "trainers"]
@@ -172,7 +173,6 @@ def _export_checkpoint(argv: Sequence[str]) -> tuple[Optional[Path], Optional[di
     """The checkpoint ``argv`` names and its metadata, when it can be read (errors come later, with
     the whole command line parsed)."""
     from ..utils import read_checkpoint_metadata
-    from .runconfig import _split_other_flags
 
     kept, _ = _split_other_flags(list(argv), {"--config", "--trainer", "--trainer.name", "--merge"})
     positional = [t for i, t in enumerate(kept) if not t.startswith("--")
