@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import os
 import tempfile
 import weakref
@@ -38,13 +37,11 @@ from typing import Any, Iterator, Optional
 import torch
 
 from .exceptions import ConfigError
-from .checkpoint.fingerprint import _VOLATILE_CONFIG_KEYS, digest
+from .checkpoint.fingerprint import base_fingerprint, digest
 
 __all__ = ["AdapterAgent", "build_lora_agents", "add_adapters", "base_fingerprint", "starts_at_base"]
 
 _INSTALL_HINT = "pip install 'comlrl[peft]'"
-# Values hashed per base tensor by base_fingerprint: the first, the last and an evenly strided sample.
-_SAMPLE = 2048
 # LoRA initialisations that subtract the adapter's initial product from the base weights.
 _BASE_CHANGING_INITS = ("pissa", "olora", "loftq", "corda", "eva")
 
@@ -448,70 +445,3 @@ def _sorted_sets(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_sorted_sets(v) for v in value]
     return value
-
-
-# ------------------------------------------------------------------------------------------------
-# fingerprint of the frozen base
-# ------------------------------------------------------------------------------------------------
-
-def base_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
-    """A cheap digest of a frozen base model: the same before and after it is wrapped with adapters.
-
-    Args:
-        model: a transformers model, a ``peft.PeftModel`` built on one, or an :class:`AdapterAgent`.
-            Adapter parameters are left out and peft's ``base_layer`` / ``original_module`` name
-            segments dropped, so the plain model and its wrapped form give the same record.
-    Returns:
-        ``{"class", "config", "parameters", "content", "num_parameters"}``: class name; config digest
-        (load-time keys skipped, as :func:`comlrl.fingerprint.model_fingerprint`); digest of parameter
-        names / shapes / dtypes; digest of a sample of the values of every base tensor (its first and
-        last 2048 values and 2048 evenly strided ones, raw bytes); total number of base values.
-        Stable across processes and devices. A base differing only in values outside the sample is not
-        detected; any retraining or different checkpoint of the same architecture is.
-    """
-    base, adapter_names = _unwrap(model)
-    config = getattr(base, "config", None)
-    config_dict = config.to_dict() if hasattr(config, "to_dict") else {}
-    config_dict = {k: v for k, v in config_dict.items() if k not in _VOLATILE_CONFIG_KEYS}
-    named = []
-    for name, param in base.named_parameters():
-        parts = name.split(".")
-        if adapter_names.intersection(parts):
-            continue
-        named.append((".".join(s for s in parts if s not in ("base_layer", "original_module")), param))
-    named.sort(key=lambda item: item[0])
-    content = hashlib.sha256()
-    for name, param in named:
-        content.update(name.encode("utf-8"))
-        content.update(_sample_bytes(param))
-    return {
-        "class": type(base).__name__,
-        "config": digest(config_dict),
-        "parameters": digest([(n, list(p.shape), str(p.dtype)) for n, p in named]),
-        "content": content.hexdigest()[:16],
-        "num_parameters": sum(p.numel() for _, p in named),
-    }
-
-
-def _unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, set[str]]:
-    """(the transformers model, the adapter names to leave out)."""
-    if isinstance(model, AdapterAgent):
-        model = model.shared
-    peft_config = getattr(model, "peft_config", None)
-    names = set(peft_config) if isinstance(peft_config, dict) else set()
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    return model, names
-
-
-@torch.no_grad()
-def _sample_bytes(tensor: torch.Tensor) -> bytes:
-    flat = tensor.detach().reshape(-1)
-    n = flat.numel()
-    if n <= 3 * _SAMPLE:
-        pieces = [flat]
-    else:
-        step = n // _SAMPLE
-        pieces = [flat[:_SAMPLE], flat[::step][:_SAMPLE], flat[-_SAMPLE:]]
-    sample = torch.cat([p.contiguous() for p in pieces]).cpu()
-    return bytes(str(tensor.dtype), "ascii") + sample.view(torch.uint8).numpy().tobytes()
