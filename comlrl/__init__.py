@@ -11,8 +11,8 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
-from .exceptions import (CheckpointDirError, CheckpointError, ComlrlError, ConfigError, DataError,  # noqa: E402
-                         ResumeMismatchError, RewardError, TokenizerError, TrainingError, TransitionError)
+from .exceptions import (CheckpointDirError, CheckpointError, ComlrlError, ComparatorError,  # noqa: E402
+                         ConfigError, DataError, ResumeMismatchError, RewardError, TokenizerError, TrainingError, TransitionError)
 from .trainers.reinforce import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "RewardError",
     "TransitionError",
     "TrainingError",
+    "ComparatorError",
     "CheckpointError",
     "CheckpointDirError",
     "ResumeMismatchError",

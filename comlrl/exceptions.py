@@ -11,7 +11,8 @@ built-in exception a Python user would try first (``ValueError``, ``TypeError``)
     ├── RewardError            (ValueError)  the reward function raised or returned bad values
     ├── TransitionError        (ValueError)  the external transition raised or returned bad prompts
     ├── TrainingError          (RuntimeError) training cannot go on: a non-finite loss or gradient,
-    │                                         a trainer used after close(), ...
+    │   │                                     a trainer used after close(), ...
+    │   └── ComparatorError                  a preference comparator (e.g. an HTTP API) gave no answer
     └── CheckpointError        (ValueError)  a checkpoint is missing, incomplete, corrupted or tampered
         ├── CheckpointDirError               checkpoint_dir holds another run's checkpoints
         └── ResumeMismatchError              resuming with settings that must not change
@@ -27,6 +28,7 @@ __all__ = [
     "RewardError",
     "TransitionError",
     "TrainingError",
+    "ComparatorError",
     "CheckpointError",
     "CheckpointDirError",
     "ResumeMismatchError",
@@ -60,6 +62,11 @@ class TransitionError(ComlrlError, ValueError):
 class TrainingError(ComlrlError, RuntimeError):
     """Training stopped: a loss or gradient is not finite (nothing was applied or saved), or the
     trainer cannot be used any more."""
+
+
+class ComparatorError(TrainingError):
+    """The comparator of an iterative preference trainer could not produce candidates (after its
+    retries): training stops before any update of the iteration, with the last checkpoint intact."""
 
 
 class CheckpointError(ComlrlError, ValueError):

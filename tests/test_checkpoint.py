@@ -273,6 +273,29 @@ def test_function_fingerprints_are_stable_across_processes(tmp_path):
     assert len(outs) == 1 and "partial(" in outs.pop()
 
 
+def test_the_same_function_from_another_module_is_the_same_reward(tmp_path):
+    """A reward defined in a script (module __main__) and the same file loaded by comlrl train
+    (``rew.py:reward``, another module name) are one reward; another body or name is not."""
+    import importlib.util
+
+    from comlrl.checkpoint.fingerprint import callable_fingerprint, compare_fingerprints
+
+    def load(name, source):
+        path = tmp_path / f"{name.replace('.', '_')}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return callable_fingerprint(module.reward)
+
+    body = "SCALE = 2\ndef reward(a, b):\n    return [SCALE * len(x) for x in a]\n"
+    script, imported = load("__main__", body), load("comlrl_files.rew", body)
+    assert script != imported and compare_fingerprints({"reward_func": script}, {"reward_func": imported}) == []
+    for other in (body.replace("SCALE = 2", "SCALE = 3"), body.replace("def reward", "def reward_v2") +
+                  "reward = reward_v2\n"):
+        assert compare_fingerprints({"reward_func": script}, {"reward_func": load("x.other", other)}) != []
+
+
 def test_a_snapshot_reuses_the_previous_buffers_and_holds_a_copy(make_trainer):
     """The next save writes into the last snapshot's buffers (no fresh allocation), and a snapshot
     is a copy: training after it does not change it."""

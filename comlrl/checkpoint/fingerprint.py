@@ -6,6 +6,7 @@ import functools
 import hashlib
 import inspect
 import json
+import re
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -72,15 +73,28 @@ def _plain_value(value: Any) -> Any:
         return f"<{kind.__module__}.{kind.__qualname__}>"
 
 
+def _global_names(code: Any) -> set[str]:
+    """Names ``code`` and the code nested in it (comprehensions, lambdas, inner functions) look
+    up; :func:`inspect.getclosurevars` reads only the outer code's."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _global_names(const)
+    return names
+
+
 def _outside_values(func: Callable) -> Any:
     """The plain values a function reads from its closure and its module's globals."""
     try:
         found = inspect.getclosurevars(func)
     except (TypeError, ValueError):
         return None
+    module_globals = getattr(func, "__globals__", {})
+    read = {name: module_globals[name] for name in _global_names(func.__code__) if name in module_globals}
+
     def plain(values):
         return {k: _plain_value(v) for k, v in sorted(values.items()) if not callable(v) or isinstance(v, type)}
-    return {"nonlocals": plain(found.nonlocals), "globals": plain(found.globals)}
+    return {"nonlocals": plain(found.nonlocals), "globals": plain({**found.globals, **read})}
 
 
 def callable_fingerprint(func: Optional[Callable]) -> Optional[str]:
@@ -126,9 +140,22 @@ def compare_fingerprints(saved: Any, current: Any, prefix: str = "") -> list[str
         for i, (a, b) in enumerate(zip(saved, current)):
             out += compare_fingerprints(a, b, f"{prefix}[{i}]")
         return out
-    if saved != current:
+    if saved != current and not _same_function_elsewhere(saved, current):
         return [f"{prefix}: saved {saved!r}, now {current!r}"]
     return []
+
+
+_PLAIN_FUNCTION = re.compile(r"^[^():]*\.([^.():]+):([0-9a-f]{16})$")
+
+
+def _same_function_elsewhere(saved: Any, current: Any) -> bool:
+    """Two :func:`callable_fingerprint` of plain functions with the same name, source and values,
+    in different modules: the same function, defined in a script (``__main__``) in one run and
+    imported from a file or module (``comlrl train``'s ``file.py:function``) in the other."""
+    if not (isinstance(saved, str) and isinstance(current, str)):
+        return False
+    a, b = _PLAIN_FUNCTION.match(saved), _PLAIN_FUNCTION.match(current)
+    return a is not None and b is not None and a.groups() == b.groups()
 
 
 # Values hashed per base tensor by base_fingerprint: the first, the last and an evenly strided sample.

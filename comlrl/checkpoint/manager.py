@@ -130,10 +130,11 @@ class CheckpointManager:
         for existing in files.list_checkpoints(directory):
             state = _state_of(existing)
             if state is None or state["run_id"] != run_id:
+                what = (f"of another run (run id {state['run_id'][:12]}; this train() starts a new one)" if state
+                        else "which does not verify")
                 raise CheckpointDirError(
-                    f"{directory} already holds {existing.name}, " + ("of another run" if state else
-                                                                      "which does not verify") +
-                    "; nothing was touched. Resume that run with resume_from_checkpoint=..., or use an empty "
+                    f"{directory} already holds {existing.name}, {what}; nothing was touched. To continue that run, "
+                    "resume from its newest checkpoint (resume_from_checkpoint=...); to start over, use an empty "
                     "checkpoint_dir.")
             if resumed_number is not None and files.checkpoint_number(existing) > resumed_number:
                 newer.append(existing)

@@ -97,20 +97,26 @@ def _resume_target(spec: RunSpec, resume: Any, checkpoint_dir: Any) -> Optional[
 
 def _report(spec: RunSpec, trainer: Any, metrics: dict[str, Any], options: dict[str, Any],
             save_to: Optional[str]) -> None:
+    from ..tracking.trackers import active_trackers
+
     state = trainer.state
     reward = metrics.get("train/reward_mean")
     shown = f"; last train/reward_mean {reward:.4f}" if isinstance(reward, (int, float)) else ""
-    _say(f"comlrl: {spec.entry.name} trained to epoch {state.epoch} (env_step {state.env_step}, "
-         f"{state.global_step} optimizer steps){shown}")
+    steps = f"{state.global_step} optimizer step" + ("" if state.global_step == 1 else "s")
+    _say(f"comlrl: {spec.entry.name} trained to epoch {state.epoch} (env_step {state.env_step}, {steps}){shown}")
     directory = options.get("checkpoint_dir")
+    folder = Path(directory) if directory else Path(trainer.args.output_dir)
+    trackers = active_trackers(trainer.args.report_to, trainer.wandb_config)
+    where = [f"metrics in {folder / 'metrics.jsonl'}"] if "jsonl" in trackers else []
+    where += [f"logged to {', '.join(t for t in trackers if t != 'jsonl')}"] if set(trackers) - {"jsonl"} else []
     if directory:
         from ..checkpoint.files import list_checkpoints
 
         found = list_checkpoints(directory)
         newest = f" (newest {found[-1].name})" if found else ""
-        _say(f"comlrl: checkpoints in {directory}{newest}; metrics in {Path(directory) / 'metrics.jsonl'}")
-    else:
-        _say(f"comlrl: metrics in {Path(trainer.args.output_dir) / 'metrics.jsonl'}")
+        _say(f"comlrl: checkpoints in {directory}{newest}" + "".join(f"; {w}" for w in where))
+    elif where:
+        _say(f"comlrl: {'; '.join(where)}")
     if save_to:
         _say(f"comlrl: agents saved to {save_to}")
 

@@ -110,7 +110,8 @@ class TrainerConfig(Config):
                                             check_bool)
     reference_kl_enabled: bool = setting(False, "Penalise each agent's returns by its KL to its initial policy.",
                                          check_bool)
-    reference_kl_coef: float = setting(0.1, "Weight of the KL penalty (sum of k3 over the completion's tokens).",
+    reference_kl_coef: float = setting(0.1, "Weight of the KL penalty subtracted from the return: coef * the "
+                                            "completion's log-ratio to the reference (k1; docs/migrating-from-comlrl.md).",
                                        check_float(lambda v: v >= 0, ">= 0"))
     reference_devices: Devices = setting(None, "Devices of the frozen reference models; None = the agents'.",
                                          _devices, may_change=True)

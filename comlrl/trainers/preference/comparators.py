@@ -20,18 +20,13 @@ import urllib.error
 import urllib.request
 from typing import Any, Mapping, Optional, Sequence
 
-from ...exceptions import ConfigError, TrainingError
+from ...exceptions import ComparatorError, ConfigError
 
 __all__ = ["ApiComparator", "ComparatorError", "jsonable"]
 
 logger = logging.getLogger("comlrl")
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
-
-
-class ComparatorError(TrainingError):
-    """The comparator could not produce candidates (after its retries): training stops before any
-    update of the iteration, with the last checkpoint intact."""
 
 
 def jsonable(value: Any) -> Any:
