@@ -172,6 +172,26 @@ def test_madpo_trains_checkpoints_the_pairs_and_resumes_exactly(make, tmp_path):
         assert rows(part) == logged
 
 
+def test_held_out_pairs_leave_training_unchanged(make, tmp_path):
+    """preference_pairs(): pairs of other prompts, from seeds no training set uses, with every
+    random state restored, so a run that calls it trains exactly as one that does not."""
+    full = make(MADPOTrainer, num_train_epochs=2, output_dir=str(tmp_path / "a"))
+    full.train()
+    probed = make(MARLHFTrainer, num_train_epochs=1, output_dir=str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match="preference_pairs\\(\\) needs prompts"):
+        probed.preference_pairs()
+    probed = make(MADPOTrainer, num_train_epochs=2, output_dir=str(tmp_path / "b"),
+                  trainer_kwargs={"eval_dataset": [{"prompt": "Name a colour."}, {"prompt": "Name a city."}]})
+    held_out = probed.preference_pairs()
+    assert held_out and {p.item_index for p in held_out} <= {0, 1}
+    assert all(p.winner_reward > p.loser_reward for p in held_out)
+    assert {p.prompts[0] for p in held_out} <= {"Name a colour.", "Name a city."}
+    again = probed.preference_pairs([{"prompt": "Name a colour."}, {"prompt": "Name a city."}])
+    assert [p.winner_completions for p in again] == [p.winner_completions for p in held_out]  # own seeds
+    probed.train()
+    assert_bit_exact(state_of(full), state_of(probed))
+
+
 def test_madpo_micro_batches_give_the_same_step(make):
     a, b = make(MADPOTrainer, num_train_epochs=1), make(MADPOTrainer, num_train_epochs=1, micro_batch_size=1)
     a.train()

@@ -39,6 +39,8 @@ from .pairs import AgentPreferenceTensors, PairSet, PreferencePair, pair_batch
 
 __all__ = ["MADPOConfig", "MADPOTrainer", "PreferencePair", "AgentPreferenceTensors"]
 
+_HELD_OUT_SET = 1_000_003  # the pair-set id of preference_pairs(): no training set ever has it
+
 logger = logging.getLogger("comlrl")
 
 
@@ -181,9 +183,37 @@ class MADPOTrainer(Trainer):
             return derive_seed(seed, tag, set_id, agent, node.index, generation)
         return seed_of
 
-    def _generate_pairs(self, timer: PhaseTimer) -> tuple[list[PreferencePair], dict]:
+    def preference_pairs(self, dataset: Any = None) -> list[PreferencePair]:
+        """Preference pairs of ``dataset`` (default ``eval_dataset``), made as MADPO makes its
+        training pairs: the current agents sample ``preference_num_candidates`` joint candidates per
+        prompt, the reward function scores them, ``pair_selection`` pairs them. For held-out
+        checks, e.g. :meth:`MARLHFTrainer.reward_model_accuracy`.
+
+        The candidates come from seeds of their own (never a training set's), and every global
+        random state is restored afterwards: training after this call is exactly as without it.
+        Under torchrun every process must call it; each returns every pair.
+        """
+        from ...engine.evaluation import _restored_rng
+        from ...engine.prompts import PromptTable
+
+        self._check_open()
+        source = dataset if dataset is not None else self.eval_dataset
+        if source is None:
+            raise ConfigError("preference_pairs() needs prompts: pass a dataset (e.g. [{'prompt': ...}, ...]) or set "
+                              "eval_dataset.")
+        table = PromptTable.build(source, "dataset", self.formatters)
+        saved = self._set_id
+        self._set_id = _HELD_OUT_SET
+        try:
+            with _restored_rng():
+                pairs, _ = MADPOTrainer._generate_pairs(self, PhaseTimer(), table)
+        finally:
+            self._set_id = saved
+        return pairs
+
+    def _generate_pairs(self, timer: PhaseTimer, table: Any = None) -> tuple[list[PreferencePair], dict]:
         """Every prompt's pairs, on every process (each samples its share of the prompts)."""
-        table = self._table("train")
+        table = table if table is not None else self._table("train")
         collector = self._collector(table)
         k = self.args.preference_num_candidates
         local: list[PreferencePair] = []

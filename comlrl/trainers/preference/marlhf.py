@@ -301,9 +301,12 @@ class MARLHFTrainer(MADPOTrainer):
                     losses.append(loss_sum)
                     correct += right
             self.reward_model.eval()
-            loop.log({"reward_model/loss": sum(losses) / max(len(losses), 1),
-                      "reward_model/accuracy": correct / max(len(pairs), 1),
-                      "reward_model/epoch": float(epoch + 1), **timer.metrics()})
+            last = {"reward_model/loss": sum(losses) / max(len(losses), 1),
+                    "reward_model/accuracy": correct / max(len(pairs), 1)}
+            # Reward-model epochs take no environment step: their rows share one env_step, where the
+            # window averages them. The last epoch's values are also kept apart.
+            loop.log({**last, "reward_model/epoch": float(epoch + 1), **timer.metrics()})
+        loop.log({k.replace("reward_model/", "reward_model/final_"): v for k, v in last.items()})  # epochs >= 1
 
     # --- the online phase: the inner trainer's buffers on this trainer's loop ------------------------
     def epoch_order(self, epoch: int) -> list[int]:
