@@ -31,6 +31,30 @@ def test_every_comlrl_field_exists_with_its_default():
     assert MAGRPOConfig(rollout_buffer_size=8).train_batch_size == 8  # None follows the buffer
 
 
+def test_a_none_default_follows_its_source_until_set():
+    """train_batch_size=None is the buffer (and critic_learning_rate=None the agents' rate) whether
+    the source is given at construction or assigned later, as CoMLRL resolves them at train time."""
+    from comlrl.trainers.actor_critic import IACConfig
+
+    cfg = MAGRPOConfig()
+    cfg.rollout_buffer_size = 8
+    assert cfg.train_batch_size == 8
+    cfg.train_batch_size = 2  # its own value from now on
+    cfg.rollout_buffer_size = 6
+    assert cfg.train_batch_size == 2
+    cfg.train_batch_size = None  # following again
+    assert cfg.train_batch_size == 6
+    cfg.rollout_buffer_size = 4
+    assert (cfg.train_batch_size, cfg.to_dict()["train_batch_size"]) == (4, 4)
+    with pytest.raises(ConfigError, match="rollout_buffer_size"):
+        cfg.rollout_buffer_size = 0
+    assert (cfg.rollout_buffer_size, cfg.train_batch_size) == (4, 4)  # a refused value changes nothing
+    ac = IACConfig(critic_learning_rate=None)
+    ac.agent_learning_rate = 1e-3
+    assert ac.critic_learning_rate == 1e-3
+    assert IACConfig().critic_learning_rate == 5e-6  # CoMLRL's default is a number: it stays
+
+
 @pytest.mark.parametrize("options, words", [
     ({"parallel_training": "auto"}, "parallel_training"),
     ({"parallel_training": "mp"}, "agent_devices"),

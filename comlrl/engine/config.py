@@ -14,7 +14,7 @@ import dataclasses
 import difflib
 import functools
 import math
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, ClassVar, Iterable, Optional
 
 from ..exceptions import ConfigError
 
@@ -114,19 +114,41 @@ def optional(inner: Check) -> Check:
 class Config:
     """Base of every trainer config (use with :func:`config_class`)."""
 
+    #: ``{field: source}``: the field's ``None`` means "the source field's value" (CoMLRL's
+    #: ``train_batch_size=None``: the buffer). Such a field follows later assignments of its source
+    #: until it is given a value of its own.
+    DERIVED_DEFAULTS: ClassVar[dict[str, str]] = {}
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "_following", set())
+        for name, source in self.DERIVED_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, getattr(self, source))
+                self._following.add(name)
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, self._checked(f, getattr(self, f.name)))
         self.validate()
         object.__setattr__(self, "_ready", True)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if getattr(self, "_ready", False):
-            fields = {f.name: f for f in dataclasses.fields(self)}
-            if name not in fields:
-                raise ConfigError(_unknown_message(type(self), [name]))
-            value = self._checked(fields[name], value)
-        object.__setattr__(self, name, value)
+        if not getattr(self, "_ready", False):
+            object.__setattr__(self, name, value)
+            return
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        if name not in fields:
+            raise ConfigError(_unknown_message(type(self), [name]))
+        following = set(self._following)
+        if name in self.DERIVED_DEFAULTS:
+            if value is None:
+                value = getattr(self, self.DERIVED_DEFAULTS[name])
+                following.add(name)
+            else:
+                following.discard(name)
+        object.__setattr__(self, name, self._checked(fields[name], value))
+        for dependent in following:
+            if self.DERIVED_DEFAULTS[dependent] == name:
+                object.__setattr__(self, dependent, self._checked(fields[dependent], getattr(self, name)))
+        object.__setattr__(self, "_following", following)
 
     @staticmethod
     def _checked(f: dataclasses.Field, value: Any) -> Any:

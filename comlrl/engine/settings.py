@@ -65,6 +65,8 @@ _positive = check_float(lambda v: v > 0, "> 0")
 class TrainerConfig(Config):
     """Settings shared by every trainer. Every invariant is checked when the config is built."""
 
+    DERIVED_DEFAULTS = {"train_batch_size": "rollout_buffer_size"}  # CoMLRL: one optimizer step per buffer
+
     # --- CoMLRL 1.4.3 fields, with its defaults -----------------------------------------------
     num_train_epochs: int = setting(20, "Epochs in the WHOLE run; resuming with a larger value extends it.",
                                     check_int(1), may_change=True)
@@ -164,11 +166,6 @@ class TrainerConfig(Config):
         optional(check_float(lambda v: 0 < v <= 1, "in (0, 1]")), may_change=True)
     vllm_engine_kwargs: Optional[dict] = setting(None, "rollout_backend='vllm': more vllm.LLM keyword arguments.",
                                                  _json_dict, may_change=True)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.train_batch_size is None:  # CoMLRL: one optimizer step per buffer
-            object.__setattr__(self, "train_batch_size", self.rollout_buffer_size)
 
     def validate(self) -> None:
         super().validate()

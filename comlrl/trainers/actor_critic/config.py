@@ -3,7 +3,7 @@ settings every comlrl trainer shares)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 from ...engine.config import check_bool, check_choice, check_float, check_int, config_class, optional, setting
 from ...engine.settings import Devices, TrainerConfig, _devices
@@ -21,6 +21,9 @@ class ActorCriticConfig(TrainerConfig):
     """Settings shared by IAC and MAAC. Buffers and batches count samples per agent, as in CoMLRL:
     with ``num_generations`` K, a buffer holds ``ceil(rollout_buffer_size / K)`` prompts' episodes
     (every turn of them) and an optimizer step ``ceil(train_batch_size / K)`` prompts'."""
+
+    DERIVED_DEFAULTS = {**TrainerConfig.DERIVED_DEFAULTS,
+                        "critic_learning_rate": "agent_learning_rate"}  # CoMLRL: None = the agents' rate
 
     num_train_epochs: int = setting(40, "Epochs in the WHOLE run; resuming with a larger value extends it.",
                                     check_int(1), may_change=True)
@@ -46,16 +49,6 @@ class ActorCriticConfig(TrainerConfig):
                                     "completion (action value).", check_choice(*CRITIC_TYPES))
     critic_devices: Devices = setting(None, "Devices of the critics; None = the agents' devices.", _devices,
                                       may_change=True)
-
-    def __post_init__(self) -> None:
-        if self.critic_learning_rate is None:
-            object.__setattr__(self, "critic_learning_rate", self.agent_learning_rate)
-        super().__post_init__()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "critic_learning_rate" and value is None and getattr(self, "_ready", False):
-            value = self.agent_learning_rate  # CoMLRL: None means the agents' rate
-        super().__setattr__(name, value)
 
     def _check_generations(self) -> None:
         """A critic is the baseline, so K = 1 is allowed; several turns need K = 1 (the next
