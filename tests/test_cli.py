@@ -178,6 +178,9 @@ def test_plot_writes_a_png(seed_run, tmp_path):
     result = comlrl("plot", str(run), "--out", str(out), cwd=tmp_path)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "train/reward_mean" in result.stdout
+    shutil.copy(run / "metrics.jsonl", tmp_path / "metrics.jsonl")
+    assert main(["plot", str(tmp_path), "--key", r"agent_\d+/loss"]) == 0  # not over the reward curve
+    assert (tmp_path / "metrics_agent_d_loss.png").is_file() and not (tmp_path / "reward_curve.png").exists()
 
 
 def test_plot_without_matplotlib_says_what_to_install(seed_run, monkeypatch, capsys):
@@ -288,7 +291,7 @@ def test_yaml_numbers_lines_and_flag_values(tmp_path):
     doc = load_document(path)
     assert doc.data["trainer"]["args"] == {"agent_learning_rate": 1e-3, "top_k": None}
     assert doc.where(("trainer", "args", "top_k")) == "c.yaml:4: trainer.args.top_k"
-    assert doc.where(("trainer", "args", "seed")) == "c.yaml:2: trainer.args.seed"
+    assert doc.where(("trainer", "args", "seed")) == "c.yaml: trainer.args.seed (not set in the file)"  # a default
     assert parse_value("1e-3") == 1e-3 and parse_value("[cuda:0, cuda:1]") == ["cuda:0", "cuda:1"]
     assert parse_value("null") is None and parse_value("007", as_string=True) == "007"
     doc.set(("trainer", "args", "seed"), 3, "--seed")

@@ -145,7 +145,7 @@ def export(argv: Sequence[str]) -> int:
     ns, doc, entry = parse_run_args(argv, "comlrl export", _EXPORT_USAGE,
                                     "Write a checkpoint's agents as model directories that "
                                     "AutoModelForCausalLM.from_pretrained loads.", _export_fixed,
-                                    require_config=False)
+                                    require_config=False, train_section=False)
     if not ns.checkpoint or not ns.out:
         raise CliError(f"usage: {_EXPORT_USAGE}")
     checkpoint = Path(ns.checkpoint)
@@ -277,7 +277,8 @@ def plot(argv: Sequence[str]) -> int:
                                      "(metrics.jsonl) against env_step as a PNG (needs matplotlib: "
                                      "pip install 'comlrl[plot]').")
     parser.add_argument("run_dir", help="a checkpoint_dir / output_dir holding metrics.jsonl (or the file itself)")
-    parser.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/reward_curve.png)")
+    parser.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/reward_curve.png, or with "
+                                                    "--key RUN_DIR/metrics_<keys>.png)")
     parser.add_argument("--key", action="append", default=None, metavar="REGEX",
                         help="plot the metrics matching this regular expression instead of the reward means "
                              "(repeatable), e.g. --key 'agent_\\d+/loss'")
@@ -302,7 +303,12 @@ def plot(argv: Sequence[str]) -> int:
     if not series:
         raise CliError(f"{metrics_file} has no rows with env_step and "
                        f"{' / '.join(ns.key or ['train/reward_mean', 'turn_t/reward_mean'])}.")
-    out = Path(ns.out) if ns.out else metrics_file.parent / "reward_curve.png"
+    if ns.out:
+        out = Path(ns.out)
+    elif ns.key:  # never over the reward curve: a name from the keys
+        out = metrics_file.parent / f"metrics_{re.sub(r'[^A-Za-z0-9]+', '_', '_'.join(ns.key)).strip('_')[:80]}.png"
+    else:
+        out = metrics_file.parent / "reward_curve.png"
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, points in series.items():
         steps, values = zip(*points)

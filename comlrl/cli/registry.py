@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import importlib
 import inspect
+import re
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +39,11 @@ class TrainerEntry:
     family: str
 
     def describe(self) -> str:
+        """The docstring's first sentence, as plain text."""
         doc = inspect.getdoc(self.trainer) or ""
-        return doc.splitlines()[0] if doc else ""
+        paragraph = " ".join(doc.split("\n\n")[0].split())
+        sentence = re.split(r"(?<=\.)\s", paragraph, maxsplit=1)[0]
+        return re.sub(r":\w+:`~?([^`]+)`", r"\1", sentence).replace("``", "")
 
 
 def _config_of(cls: type, namespace: Any) -> Optional[type]:

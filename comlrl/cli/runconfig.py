@@ -93,8 +93,9 @@ def _docs(config: type) -> dict[str, str]:
     return {f.name: f.metadata.get("doc", "") for f in dataclasses.fields(config)}
 
 
-def options_for(entry: TrainerEntry, extra: Sequence[Option] = ()) -> list[Option]:
-    """Every flag of a run of ``entry``'s trainer; a short form only where it is unambiguous."""
+def options_for(entry: TrainerEntry, extra: Sequence[Option] = (), train_section: bool = True) -> list[Option]:
+    """Every flag of a run of ``entry``'s trainer (without ``train:``'s when ``train_section`` is
+    False: commands that do not train); a short form only where it is unambiguous."""
     options: list[Option] = [Option(("trainer", "name"), ["--trainer", "--trainer.name"],
                                     "The trainer (see `comlrl trainers`).", as_string=True)]
     docs = _docs(entry.config)
@@ -108,7 +109,7 @@ def options_for(entry: TrainerEntry, extra: Sequence[Option] = ()) -> list[Optio
         if name != "args":
             options.append(Option(("trainer", name), [f"--trainer.{name}"],
                                   f"The trainer's {name} argument ({_KIND_HELP[_param_kind(name, p)]})."))
-    for name in list(train_parameters(entry.trainer)) + list(TRAIN_EXTRAS):
+    for name in (list(train_parameters(entry.trainer)) + list(TRAIN_EXTRAS)) if train_section else ():
         flags = [f"--{name}", f"--train.{name}"]
         if name == "resume_from_checkpoint":
             flags.insert(0, "--resume")
@@ -146,8 +147,8 @@ def _add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> 
 
 
 def parse_run_args(argv: Sequence[str], prog: str, usage: str, description: str,
-                   add_fixed: Callable[[argparse.ArgumentParser], None],
-                   require_config: bool = True) -> tuple[argparse.Namespace, Document, TrainerEntry]:
+                   add_fixed: Callable[[argparse.ArgumentParser], None], require_config: bool = True,
+                   train_section: bool = True) -> tuple[argparse.Namespace, Document, TrainerEntry]:
     """Parse ``comlrl train|export`` arguments: the fixed ones, the config file, and every override.
 
     The trainer (from the config or ``--trainer``) decides which flags exist, so the arguments are
@@ -180,7 +181,7 @@ def parse_run_args(argv: Sequence[str], prog: str, usage: str, description: str,
         epilog=f"Flags listed for trainer {entry.name} ({entry.config.__name__}); pass a config or --trainer NAME "
                "for another trainer's. A flag's value is read as YAML: 8, 1e-3, null, [a, b].")
     add_fixed(parser)
-    by_dest = _add_options(parser, options_for(entry))
+    by_dest = _add_options(parser, options_for(entry, train_section=train_section))
     if known._help:
         parser.print_help()
         raise SystemExit(0)

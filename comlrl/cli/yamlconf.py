@@ -73,9 +73,10 @@ class Document:
         for depth in range(len(key), 0, -1):
             if key[:depth] in self.flags:
                 return f"{self.flags[key[:depth]]} ({dotted(key)})" if key else self.flags[key[:depth]]
-        for depth in range(len(key), 0, -1):
-            if key[:depth] in self.lines:
-                return f"{self.name}:{self.lines[key[:depth]]}: {dotted(key)}"
+        if key in self.lines:
+            return f"{self.name}:{self.lines[key]}: {dotted(key)}"
+        if key and self.file is not None:  # every key of the file has a line: this one is not in it
+            return f"{self.name}: {dotted(key)} (not set in the file)"
         return f"{self.name}: {dotted(key)}" if key else self.name
 
     def error(self, key: Key, message: str) -> CliError:

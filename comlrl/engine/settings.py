@@ -193,7 +193,8 @@ class TrainerConfig(Config):
             given = [f for f in fields if getattr(self, f) is not None]
             if given and tracker not in (self.report_to or ()):
                 raise ConfigError(f"{' / '.join(given)}: used only when report_to includes {tracker!r} (report_to="
-                                  f"{self.report_to!r}); add {tracker!r} to report_to or remove them.")
+                                  f"{self.report_to!r}); add {tracker!r} to report_to or remove "
+                                  f"{'it' if len(given) == 1 else 'them'}.")
 
     def _check_generations(self) -> None:
         """Group baselines compare a completion with its siblings: K >= 2 (actor-critic overrides)."""

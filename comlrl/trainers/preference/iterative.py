@@ -382,8 +382,9 @@ class _Iterative:
 
 
 class MADPOIterTrainer(_Iterative, MADPOTrainer):
-    """Iterative MADPO (see the module docstring); arguments as :class:`MADPOTrainer` with a
-    :class:`MADPOIterConfig`."""
+    """Iterative MADPO: rounds of sampling, comparing against a comparator, and DPO.
+
+    See the module docstring; arguments as :class:`MADPOTrainer` with a :class:`MADPOIterConfig`."""
 
     config_class = MADPOIterConfig
     default_config_cls = MADPOIterConfig
@@ -391,8 +392,9 @@ class MADPOIterTrainer(_Iterative, MADPOTrainer):
 
 
 class MARLHFIterTrainer(_Iterative, MARLHFTrainer):
-    """Iterative MARLHF (see the module docstring); arguments as :class:`MARLHFTrainer` with a
-    :class:`MARLHFIterConfig`."""
+    """Iterative MARLHF: rounds of sampling, comparing, reward-model training and online RL.
+
+    See the module docstring; arguments as :class:`MARLHFTrainer` with a :class:`MARLHFIterConfig`."""
 
     config_class = MARLHFIterConfig
     default_config_cls = MARLHFIterConfig
