@@ -142,6 +142,37 @@ def test_export_needs_no_config_after_comlrl_train(seed_run, tmp_path, capsys):
     assert "config.max_new_tokens: saved 8, now 9" in err and not (tmp_path / "x").exists()
 
 
+def test_export_runs_no_code_a_checkpoint_names(seed_run, tmp_path, capsys):
+    """A shared checkpoint's record is made inert: its functions are never imported (export calls
+    none), and a record naming other code to call is refused before anything is imported."""
+    from test_checkpoint_safety import forge
+
+    _, run, _ = seed_run
+    evil = tmp_path / "evil.py"
+    marker = tmp_path / "imported"
+    evil.write_text(f"open({str(marker)!r}, 'w').close()\ndef fn(*a, **k):\n    return [1.0]\n"
+                    "class Trainer:\n    pass\n")
+
+    def planted(edit):
+        copy = tmp_path / f"copy-{len(list(tmp_path.glob('copy-*')))}"
+        shutil.copytree(run / "checkpoint-2", copy / "checkpoint-2")
+        forge(copy / "checkpoint-2", lambda state: edit(state["launch"]["config"]["trainer"]))
+        return copy / "checkpoint-2"
+
+    checkpoint = planted(lambda t: t.update(reward_func=f"{evil}:fn", formatters=[f"{evil}:fn"]))
+    assert main(["export", str(checkpoint), str(tmp_path / "ok")]) == 0  # the recorded reward is never needed
+    assert (tmp_path / "ok" / "agent_1" / "model.safetensors").is_file()
+    for edit, words in [
+        (lambda t: t.update(name=f"{evil}:Trainer"), "is a class from a file or module"),
+        (lambda t: t.update(agent_model={"call": f"{evil}:fn"}), "trainer.agent_model names code to call"),
+        (lambda t: t.update(model_config={"model_kwargs": {"trust_remote_code": True}}), "trust_remote_code"),
+    ]:
+        assert main(["export", str(planted(edit)), str(tmp_path / "no")]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "runs no code a checkpoint names" in err and "--config" in err
+    assert not marker.exists() and not (tmp_path / "no").exists()
+
+
 def test_export_of_a_python_api_run_asks_for_the_config(make_trainer, tmp_path, capsys):
     make_trainer(num_train_epochs=1).train(checkpoint_dir=tmp_path / "run")
     assert main(["export", str(tmp_path / "run" / "checkpoint-1"), str(tmp_path / "out")]) == 2

@@ -162,7 +162,7 @@ def export(argv: Sequence[str]) -> int:
         raise CliError(locate_error(spec, exc)) from None
     with trainer:
         try:
-            trainer.load_checkpoint(checkpoint)
+            trainer._load_for_export(checkpoint)  # the reward etc. need not match: export runs none of them
             out = trainer.save_model(ns.out, merge_adapters=ns.merge)
         except ResumeMismatchError as exc:
             raise CliError(f"{doc.name} does not describe the run of {checkpoint} (export needs the config it was "

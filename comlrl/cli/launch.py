@@ -55,17 +55,71 @@ def with_recorded_trainer(argv: Sequence[str], checkpoint: Path, meta: dict[str,
 
 
 def recorded_document(checkpoint: Path, meta: dict[str, Any], flags: Document) -> Document:
-    """The recorded config of ``checkpoint``'s run, with the overrides of ``flags`` on top.
+    """The recorded config of ``checkpoint``'s run, made inert, with the overrides of ``flags`` on top.
 
+    A checkpoint may come from anyone, and loading one never runs code it names (the promise of
+    every comlrl checkpoint): the recorded functions (reward, formatters, transition, ...) are
+    replaced by a stand-in export never calls, and a record that names other code (a trainer or
+    object from a file or module, ``trust_remote_code``) is refused: pass ``--config`` instead.
     Relative input paths are looked up next to the original config file, then in the working
     directory, as they were for ``comlrl train``."""
     launch = _recorded(checkpoint, meta)
     config_file = launch["config_file"]
-    doc = Document(data=copy.deepcopy(launch["config"]), file=Path(config_file) if config_file else None,
-                   label=f"{checkpoint.name}'s recorded config" + (f" ({Path(config_file).name})" if config_file else ""))
+    label = f"{checkpoint.name}'s recorded config" + (f" ({Path(config_file).name})" if config_file else "")
+    doc = Document(data={"trainer": _inert(copy.deepcopy(launch["config"]["trainer"]), label)},
+                   file=Path(config_file) if config_file else None, label=label)
     for key, flag in flags.flags.items():
         doc.set(key, _value_at(flags.data, key), flag)
     return doc
+
+
+def not_run_by_export(*args: Any, **kwargs: Any) -> Any:
+    """What a recorded reward or transition function becomes for ``comlrl export`` (never called)."""
+    raise RuntimeError("comlrl export does not run the functions of the run it exports.")
+
+
+_STAND_IN = f"{__name__}:not_run_by_export"
+_KEPT_AS_STAND_IN = ("reward_func", "external_transition")  # required by the trainers' constructors
+
+
+def _inert(trainer: dict[str, Any], label: str) -> dict[str, Any]:
+    from .registry import init_parameters, lookup_trainer
+    from .runconfig import _param_kind
+
+    def refuse(what: str) -> CliError:
+        return CliError(f"{label}: {what}; comlrl export runs no code a checkpoint names. Pass --config with the "
+                        "run's config (your own file) instead.")
+
+    name = trainer.get("name", "MAGRPO")
+    if not isinstance(name, str) or ":" in name:
+        raise refuse(f"trainer.name {name!r} is a class from a file or module")
+    if _mentions(trainer, "trust_remote_code"):
+        raise refuse("it sets trust_remote_code")
+    try:
+        params = init_parameters(lookup_trainer(name).trainer)
+    except ValueError as exc:
+        raise CliError(f"{label}: trainer.name: {exc}") from None
+    out: dict[str, Any] = {}
+    for key, value in trainer.items():
+        kind = _param_kind(key, params.get(key)) if key not in ("name", "args") else "plain"
+        if kind == "callable":
+            if value is not None and key in _KEPT_AS_STAND_IN:
+                out[key] = _STAND_IN
+            continue
+        items = value if isinstance(value, list) else [value]
+        if kind != "plain" and any(isinstance(v, dict) and ("call" in v or "ref" in v) for v in items):
+            raise refuse(f"trainer.{key} names code to call")  # what build.py would call: {call: ...}, {ref: ...}
+        out[key] = value
+    return out
+
+
+def _mentions(value: Any, key: str) -> bool:
+    """Whether ``key`` is a mapping key anywhere in ``value``."""
+    if isinstance(value, dict):
+        return key in value or any(_mentions(v, key) for v in value.values())
+    if isinstance(value, list):
+        return any(_mentions(v, key) for v in value)
+    return False
 
 
 def _value_at(data: Any, key: Key) -> Optional[Any]:

@@ -26,6 +26,9 @@ __all__ = ["Persistence"]
 
 logger = logging.getLogger("comlrl")
 
+# Fingerprints of what decides how a run trains but not what its checkpoint's weights are.
+_TRAINING_ONLY = ("reward_func", "reward_processor", "formatters", "external_transition")
+
 
 class Persistence:
     """Checkpoint and export methods of :class:`comlrl.engine.trainer.Trainer`."""
@@ -99,8 +102,9 @@ class Persistence:
                                     "optimizer step diverged). Lower the learning rate and resume from the previous "
                                     "checkpoint.")
 
-    def _load_for_train(self, path: Union[str, os.PathLike]) -> int:
-        """Resume from ``path`` (comlrl's format or CoMLRL 1.4.3's); returns its checkpoint number."""
+    def _load_for_train(self, path: Union[str, os.PathLike], unchecked: tuple[str, ...] = ()) -> int:
+        """Resume from ``path`` (comlrl's format or CoMLRL 1.4.3's); returns its checkpoint number.
+        ``unchecked``: fingerprints that need not match (what only shapes training, for an export)."""
         from ..checkpoint.legacy import is_legacy_checkpoint
 
         path = Path(path)
@@ -108,7 +112,10 @@ class Persistence:
             from ..checkpoint.legacy_resume import resume_legacy
 
             return resume_legacy(self, path)
-        state = self.checkpoints.load(path, self._slots(), self._fingerprints(), rank=self.dist.rank)
+        fingerprints = {k: v for k, v in self._fingerprints().items() if k not in unchecked}
+        state = self.checkpoints.load(path, self._slots(), fingerprints, rank=self.dist.rank,
+                                      saved_fingerprints=lambda s: {k: v for k, v in s["fingerprints"].items()
+                                                                    if k not in unchecked})
         if state["world_size"] != self.dist.world_size and self.dist.is_main:
             logger.warning("comlrl: %s was written by %d process(es) and resumes on %d: the run continues within "
                            "float tolerance of the uninterrupted one, not bit for bit.", path, state["world_size"],
@@ -142,6 +149,14 @@ class Persistence:
         self._check_open()
         self._table("train")
         self._load_for_train(checkpoint)
+        return self.state.counters()
+
+    def _load_for_export(self, checkpoint: Union[str, os.PathLike]) -> dict[str, int]:
+        """:meth:`load_checkpoint` for ``save_model`` only (``comlrl export``): the functions that
+        only shape training (reward, formatters, transition) need not be the run's."""
+        self._check_open()
+        self._table("train")
+        self._load_for_train(checkpoint, unchecked=_TRAINING_ONLY)
         return self.state.counters()
 
     # ------------------------------------------------------------------------------------------
