@@ -273,9 +273,9 @@ def test_function_fingerprints_are_stable_across_processes(tmp_path):
     assert len(outs) == 1 and "partial(" in outs.pop()
 
 
-def test_the_same_function_from_another_module_is_the_same_reward(tmp_path):
-    """A reward defined in a script (module __main__) and the same file loaded by comlrl train
-    (``rew.py:reward``, another module name) are one reward; another body or name is not."""
+def test_values_read_inside_comprehensions_are_part_of_a_reward(tmp_path):
+    """A module value a reward reads only inside a comprehension or lambda is fingerprinted too;
+    the same function in another module is another reward (its helpers may differ)."""
     import importlib.util
 
     from comlrl.checkpoint.fingerprint import callable_fingerprint, compare_fingerprints
@@ -289,11 +289,11 @@ def test_the_same_function_from_another_module_is_the_same_reward(tmp_path):
         return callable_fingerprint(module.reward)
 
     body = "SCALE = 2\ndef reward(a, b):\n    return [SCALE * len(x) for x in a]\n"
-    script, imported = load("__main__", body), load("comlrl_files.rew", body)
-    assert script != imported and compare_fingerprints({"reward_func": script}, {"reward_func": imported}) == []
-    for other in (body.replace("SCALE = 2", "SCALE = 3"), body.replace("def reward", "def reward_v2") +
-                  "reward = reward_v2\n"):
-        assert compare_fingerprints({"reward_func": script}, {"reward_func": load("x.other", other)}) != []
+    base = load("rewards_a", body)
+    assert load("rewards_b", body.replace("rewards_a", "x")) != base  # another module
+    assert compare_fingerprints({"r": base}, {"r": load("rewards_a2", body.replace("SCALE = 2", "SCALE = 3"))})
+    lam = "SCALE = 2\nreward = lambda a, b: [SCALE * len(x) for x in a]\n"
+    assert load("lam_a", lam).split(":")[1] != load("lam_b", lam.replace("SCALE = 2", "SCALE = 3")).split(":")[1]
 
 
 def test_a_snapshot_reuses_the_previous_buffers_and_holds_a_copy(make_trainer):

@@ -217,6 +217,24 @@ def test_a_changed_closure_value_is_a_changed_reward(make_trainer, run):
         resume_from_checkpoint=d / "checkpoint-1", checkpoint_dir=d)
 
 
+_MEMO: dict = {}  # a reward's cache, filled as it runs
+
+
+def memo_reward(completions1, completions2):
+    return [_MEMO.setdefault((a, b), float(len(b) > 2 * len(a))) for a, b in zip(completions1, completions2)]
+
+
+def test_a_reward_that_fills_a_cache_still_resumes(make_trainer, run):
+    """Mutable module values (a memo dict) are not part of a reward's fingerprint: filled during
+    the run, they must not make the run look changed (in this process or a new one)."""
+    _MEMO.clear()
+    d = run.parent / "memo"
+    make_trainer(num_train_epochs=1, reward_func=memo_reward).train(checkpoint_dir=d)
+    assert _MEMO  # filled
+    make_trainer(num_train_epochs=2, reward_func=memo_reward).train(
+        resume_from_checkpoint=d / "checkpoint-1", checkpoint_dir=d)
+
+
 # --- 4. train() called again after an interruption ---------------------------------------------------
 
 def test_train_again_after_an_exception_equals_an_uninterrupted_run(make_trainer, tmp_path, monkeypatch):

@@ -6,7 +6,6 @@ import functools
 import hashlib
 import inspect
 import json
-import re
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -62,9 +61,15 @@ def dataset_fingerprint(rows: Iterable[Any]) -> str:
 
 
 def _plain_value(value: Any) -> Any:
-    """A JSON-ready stand-in for a value a function reads: the value itself when it is plain data
-    (numbers, strings, containers of them), else its type's name (a module, a model, a tokenizer:
-    what it computes is not hashed here)."""
+    """A JSON-ready stand-in for a value a function reads: the value itself when it is immutable
+    plain data (numbers, strings, tuples of them), else its type's name: a module, a model, a
+    tokenizer (what it computes is not hashed here), and mutable containers, which a function may
+    fill as it runs (a memo cache) and so would make its own run look changed at resume."""
+    if isinstance(value, (dict, list, set, bytearray)):
+        return f"<{type(value).__qualname__}>"
+    if isinstance(value, (tuple, frozenset)):
+        items = [_plain_value(v) for v in (sorted(value, key=repr) if isinstance(value, frozenset) else value)]
+        return items if isinstance(value, tuple) else {"frozenset": items}
     try:
         json.dumps(value, sort_keys=True, allow_nan=True)
         return value
@@ -116,7 +121,8 @@ def callable_fingerprint(func: Optional[Callable]) -> Optional[str]:
             and callable(target) and not isinstance(target, type):
         cls = type(target)
         state = getattr(target, "__dict__", {})
-        return f"{callable_fingerprint(cls.__call__)}:{digest(sorted(state.items(), key=lambda kv: kv[0]))}"
+        plain = sorted(((k, _plain_value(v)) for k, v in state.items()), key=lambda kv: kv[0])
+        return f"{callable_fingerprint(cls.__call__)}:{digest(plain)}"
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
     try:
         body = inspect.getsource(target)
@@ -140,22 +146,9 @@ def compare_fingerprints(saved: Any, current: Any, prefix: str = "") -> list[str
         for i, (a, b) in enumerate(zip(saved, current)):
             out += compare_fingerprints(a, b, f"{prefix}[{i}]")
         return out
-    if saved != current and not _same_function_elsewhere(saved, current):
+    if saved != current:
         return [f"{prefix}: saved {saved!r}, now {current!r}"]
     return []
-
-
-_PLAIN_FUNCTION = re.compile(r"^[^():]*\.([^.():]+):([0-9a-f]{16})$")
-
-
-def _same_function_elsewhere(saved: Any, current: Any) -> bool:
-    """Two :func:`callable_fingerprint` of plain functions with the same name, source and values,
-    in different modules: the same function, defined in a script (``__main__``) in one run and
-    imported from a file or module (``comlrl train``'s ``file.py:function``) in the other."""
-    if not (isinstance(saved, str) and isinstance(current, str)):
-        return False
-    a, b = _PLAIN_FUNCTION.match(saved), _PLAIN_FUNCTION.match(current)
-    return a is not None and b is not None and a.groups() == b.groups()
 
 
 # Values hashed per base tensor by base_fingerprint: the first, the last and an evenly strided sample.

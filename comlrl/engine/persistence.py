@@ -37,6 +37,7 @@ class Persistence:
     #: ``{"config_file": str | None, "config": {"trainer": {...}}}`` so that ``comlrl export`` can
     #: rebuild the trainer without the config file. Never read by training.
     launch_config: Optional[dict[str, Any]] = None
+    _code_cache: Optional[tuple[tuple, dict[str, Any]]] = None
 
     def _fingerprints(self) -> dict[str, Any]:
         """What a resumed run must share with this one (computed once: hashing a large tokenizer or
@@ -51,16 +52,28 @@ class Persistence:
                 "models": [model_fingerprint(m) for m in self.agents],
                 "tokenizers": [tokenizers[id(t)] for t in self.tokenizers],
                 "dataset": dataset_fingerprint(self._table("train").rows),
-                "reward_func": callable_fingerprint(self.reward_func),
-                "reward_processor": callable_fingerprint(self.reward_processor),
-                "formatters": [callable_fingerprint(f.source) for f in self.formatters],
-                "external_transition": callable_fingerprint(self.external_transition if self.transition else None),
+                **self._code_fingerprints(),
                 **self._fingerprint_extra(),
             }
         fingerprints = dict(self._fingerprint_cache)
         fixed = resumable_fields(type(self.args))  # the config may be edited between train() calls
         fingerprints["config"] = {k: v for k, v in self.args.to_dict().items() if k not in fixed}
         return fingerprints
+
+    def _code_fingerprints(self) -> dict[str, Any]:
+        """Fingerprints of the run's functions, taken when they are first seen (at construction,
+        again only if one is replaced): a value a function fills as it runs, such as a memo cache,
+        must not make its own run look changed at resume."""
+        functions = (self.reward_func, self.reward_processor, tuple(f.source for f in self.formatters),
+                     self.external_transition if self.transition else None)
+        key = tuple(id(f) for f in functions[:2]) + (tuple(id(f) for f in functions[2]), id(functions[3]))
+        if self._code_cache is None or self._code_cache[0] != key:
+            self._code_cache = (key, {
+                "reward_func": callable_fingerprint(functions[0]),
+                "reward_processor": callable_fingerprint(functions[1]),
+                "formatters": [callable_fingerprint(f) for f in functions[2]],
+                "external_transition": callable_fingerprint(functions[3])})
+        return self._code_cache[1]
 
     def _record(self) -> dict[str, Any]:
         """The JSON state of a checkpoint (the manager adds RNG and optimizer state)."""

@@ -108,6 +108,7 @@ class Trainer(Evaluation, Persistence):
         self.tracker_identities: dict[str, dict[str, str]] = {}  # other trackers' ("mlflow"), saved with W&B's
         self.verbose = verbose_from_wandb_config(wandb_config)
         self._fingerprint_cache: Optional[dict[str, Any]] = None
+        self._code_fingerprints()  # before any reward call (see its docstring)
         self._buffer: Optional[PlayedBuffer] = None
         self._closed = False
 
