@@ -1,5 +1,7 @@
 import dataclasses
 
+from typing import Optional
+
 import pytest
 
 from comlrl import ConfigError, MAGRPOConfig
@@ -53,6 +55,16 @@ def test_a_none_default_follows_its_source_until_set():
     ac.agent_learning_rate = 1e-3
     assert ac.critic_learning_rate == 1e-3
     assert IACConfig().critic_learning_rate == 5e-6  # CoMLRL's default is a number: it stays
+    assert IACConfig.DERIVED_DEFAULTS == {"train_batch_size": "rollout_buffer_size",
+                                          "critic_learning_rate": "agent_learning_rate"}  # a subclass adds
+
+    @dataclasses.dataclass
+    class Mine(MAGRPOConfig):
+        DERIVED_DEFAULTS = {"my_rate": "agent_learning_rate"}
+        my_rate: Optional[float] = None
+
+    mine = Mine(rollout_buffer_size=6)
+    assert (mine.train_batch_size, mine.my_rate) == (6, mine.agent_learning_rate)
 
 
 @pytest.mark.parametrize("options, words", [

@@ -116,8 +116,17 @@ class Config:
 
     #: ``{field: source}``: the field's ``None`` means "the source field's value" (CoMLRL's
     #: ``train_batch_size=None``: the buffer). Such a field follows later assignments of its source
-    #: until it is given a value of its own.
+    #: until it is given a value of its own. (``dataclasses.replace`` passes every current value
+    #: explicitly, so its copy no longer follows: assign the source field on a copy instead.)
     DERIVED_DEFAULTS: ClassVar[dict[str, str]] = {}
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A subclass's ``DERIVED_DEFAULTS`` add to its parents' (never replace them)."""
+        super().__init_subclass__(**kwargs)
+        merged: dict[str, str] = {}
+        for base in reversed(cls.__mro__[1:]):
+            merged.update(base.__dict__.get("DERIVED_DEFAULTS", {}))
+        cls.DERIVED_DEFAULTS = {**merged, **cls.__dict__.get("DERIVED_DEFAULTS", {})}
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_following", set())

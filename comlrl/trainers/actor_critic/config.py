@@ -22,8 +22,7 @@ class ActorCriticConfig(TrainerConfig):
     with ``num_generations`` K, a buffer holds ``ceil(rollout_buffer_size / K)`` prompts' episodes
     (every turn of them) and an optimizer step ``ceil(train_batch_size / K)`` prompts'."""
 
-    DERIVED_DEFAULTS = {**TrainerConfig.DERIVED_DEFAULTS,
-                        "critic_learning_rate": "agent_learning_rate"}  # CoMLRL: None = the agents' rate
+    DERIVED_DEFAULTS = {"critic_learning_rate": "agent_learning_rate"}  # CoMLRL: None = the agents' rate
 
     num_train_epochs: int = setting(40, "Epochs in the WHOLE run; resuming with a larger value extends it.",
                                     check_int(1), may_change=True)
