@@ -135,11 +135,30 @@ def test_export_needs_no_config_after_comlrl_train(seed_run, tmp_path, capsys):
     for i in range(2):
         assert (with_config / f"agent_{i}" / "model.safetensors").read_bytes() == \
             (without / f"agent_{i}" / "model.safetensors").read_bytes()
-    # An override that contradicts the run is refused, naming the recorded config.
-    assert main(["export", str(run / "checkpoint-2"), str(tmp_path / "x"), "--max_new_tokens", "9"]) == 2
+    # An override that contradicts the run's models is refused, naming the recorded config; one
+    # that only shapes training (sampling, learning rate) does not matter to the weights.
+    assert main(["export", str(run / "checkpoint-2"), str(tmp_path / "x"), "--trainer.num_agents", "3"]) == 2
     err = capsys.readouterr().err
     assert "checkpoint-2's recorded config (seed.yaml) does not describe the run" in err
-    assert "config.max_new_tokens: saved 8, now 9" in err and not (tmp_path / "x").exists()
+    assert "num_agents: saved 2, now 3" in err and not (tmp_path / "x").exists()
+    assert main(["export", str(run / "checkpoint-2"), str(tmp_path / "y"), "--max_new_tokens", "9"]) == 0
+    assert (tmp_path / "y" / "agent_1" / "model.safetensors").read_bytes() == \
+        (without / "agent_1" / "model.safetensors").read_bytes()
+    assert main(["export", "--", str(run / "checkpoint-2"), str(tmp_path / "z")]) == 0  # argparse's `--`
+
+
+def test_export_finds_inputs_where_training_found_them(tmp_path):
+    """A data file found in the directory comlrl train ran in (not next to the config) is found
+    again when exporting from elsewhere: the record keeps that directory."""
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    (project / "data").mkdir()
+    shutil.copy(ROOT / "examples" / "configs" / "seed_prompts.jsonl", project / "data" / "prompts.jsonl")
+    config = project / "configs" / "run.yaml"
+    config.write_text(SEED.read_text().replace("train_dataset: seed_prompts.jsonl", "train_dataset: data/prompts.jsonl"))
+    comlrl("train", str(config), *FAST, "--num_train_epochs", "1", "--trainer.wandb_config", "null", cwd=project)
+    result = comlrl("export", str(project / "runs" / "seed" / "checkpoint-1"), str(tmp_path / "out"), cwd=tmp_path)
+    assert "agent_0, agent_1" in result.stdout
 
 
 def test_export_runs_no_code_a_checkpoint_names(seed_run, tmp_path, capsys):
@@ -184,22 +203,35 @@ def test_the_recorded_config_leaves_secrets_out():
     from comlrl.cli.launch import launch_record
     from comlrl.cli.runconfig import check_run
 
-    doc = Document(data={"trainer": {"name": "MADPOIter", "agent_model": "tiny", "num_agents": 2,
-                                     "reward_func": "comlrl.testing:length_ratio_reward",
-                                     "args": {"comparator_api_key": "sk-secret", "dpo_beta": 0.2}}})
-    record = launch_record(check_run(doc))
-    assert record == {"config_file": None, "config": {"trainer": {
+    doc = Document(data={"trainer": {
         "name": "MADPOIter", "agent_model": "tiny", "num_agents": 2, "reward_func": "comlrl.testing:length_ratio_reward",
-        "args": {"dpo_beta": 0.2}}}}
-    assert "sk-secret" not in json.dumps(record)
+        "wandb_config": {"project": "p", "settings": {"api_key": "sk-wandb"}},
+        "model_config": {"model_kwargs": {"token": "hf_secret", "dtype": "float32"}},
+        "train_dataset": {"rows": [{"prompt": "Say hi.", "author": "me", "token": "data, not a credential"}]},
+        "args": {"comparator_api_key": "sk-secret", "comparator_api_headers": {"X-Auth-Token": "t0k"}, "dpo_beta": 0.2,
+                 "comparator_api_key_env": "MY_KEY_VARIABLE"}}})
+    record = launch_record(check_run(doc))
+    assert record["config_file"] is None and record["cwd"]
+    assert record["config"] == {"trainer": {
+        "name": "MADPOIter", "agent_model": "tiny", "num_agents": 2, "reward_func": "comlrl.testing:length_ratio_reward",
+        "model_config": {"model_kwargs": {"dtype": "float32"}},
+        "train_dataset": {"rows": [{"prompt": "Say hi.", "author": "me", "token": "data, not a credential"}]},
+        "args": {"dpo_beta": 0.2, "comparator_api_key_env": "MY_KEY_VARIABLE"}}}
+    text = json.dumps(record)
+    assert not any(secret in text for secret in ("sk-secret", "sk-wandb", "hf_secret", "t0k"))
+    doc.data["trainer"]["train_dataset"]["rows"][0]["weight"] = float("nan")  # strict JSON cannot hold it
+    assert launch_record(check_run(doc)) is None
 
 
 def test_export_refuses_a_config_that_differs(seed_run, tmp_path, capsys):
     _, run, _ = seed_run
+    from comlrl.testing import tiny_model_dir
+
+    other = tiny_model_dir(num_layers=1)  # another base model than the run's
     assert main(["export", str(run / "checkpoint-2"), str(tmp_path / "x"), "--config", str(SEED),
-                 "--max_new_tokens", "9", "--trainer.wandb_config", "null"]) == 2
+                 "--trainer.agent_model", str(other), "--trainer.wandb_config", "null"]) == 2
     err = capsys.readouterr().err
-    assert "seed.yaml does not describe the run" in err and "config.max_new_tokens: saved 8, now 9" in err
+    assert "seed.yaml does not describe the run" in err and "models[0]" in err
     assert not (tmp_path / "x").exists()
 
 

@@ -172,15 +172,16 @@ def test_madpo_trains_checkpoints_the_pairs_and_resumes_exactly(make, tmp_path):
         assert rows(part) == logged
 
 
-def test_held_out_pairs_leave_training_unchanged(make, tmp_path):
+@pytest.mark.parametrize("cls", [MADPOTrainer, MADPOIterTrainer])
+def test_held_out_pairs_leave_training_unchanged(make, tmp_path, cls):
     """preference_pairs(): pairs of other prompts, from seeds no training set uses, with every
     random state restored, so a run that calls it trains exactly as one that does not."""
-    full = make(MADPOTrainer, num_train_epochs=2, output_dir=str(tmp_path / "a"))
+    full = make(cls, num_train_epochs=2, output_dir=str(tmp_path / "a"))
     full.train()
     probed = make(MARLHFTrainer, num_train_epochs=1, output_dir=str(tmp_path / "b"))
     with pytest.raises(ConfigError, match="preference_pairs\\(\\) needs prompts"):
         probed.preference_pairs()
-    probed = make(MADPOTrainer, num_train_epochs=2, output_dir=str(tmp_path / "b"),
+    probed = make(cls, num_train_epochs=2, output_dir=str(tmp_path / "b"),
                   trainer_kwargs={"eval_dataset": [{"prompt": "Name a colour."}, {"prompt": "Name a city."}]})
     held_out = probed.preference_pairs()
     assert held_out and {p.item_index for p in held_out} <= {0, 1}

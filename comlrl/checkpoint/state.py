@@ -94,13 +94,13 @@ def _check_launch(launch: Any, path: Path) -> Any:
     """None (a run of the Python API), or what ``comlrl train`` recorded (comlrl.cli.launch)."""
     if launch is None:
         return None
-    ok = (_is_dict(launch) and set(launch) == {"config_file", "config"}
-          and (launch["config_file"] is None or isinstance(launch["config_file"], str))
+    ok = (_is_dict(launch) and set(launch) in ({"config_file", "config"}, {"config_file", "config", "cwd"})
+          and all(launch.get(k) is None or isinstance(launch[k], str) for k in ("config_file", "cwd"))
           and _is_dict(launch["config"]) and set(launch["config"]) == {"trainer"}
           and _is_dict(launch["config"]["trainer"]))
     if not ok:
-        raise CheckpointError(f"checkpoint {path}: 'launch' must be null or an object with 'config_file' and "
-                              f"'config' (a trainer: section), got {launch!r:.80}.")
+        raise CheckpointError(f"checkpoint {path}: 'launch' must be null or an object with 'config_file', "
+                              f"'config' (a trainer: section) and 'cwd', got {launch!r:.80}.")
     return launch
 
 

@@ -33,7 +33,7 @@ def build_trainer(spec: RunSpec, **replace: Any) -> Any:
 
 
 def _bases(doc: Document) -> list[Path]:
-    bases = [doc.base_dir, Path.cwd()]
+    bases = [doc.base_dir, Path.cwd(), *doc.also_in]
     return [b for i, b in enumerate(bases) if b not in bases[:i]]
 
 

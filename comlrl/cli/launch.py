@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
+import re
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -20,17 +22,45 @@ from .yamlconf import CliError, Document, Key
 
 __all__ = ["launch_record", "recorded_document", "with_recorded_trainer"]
 
+logger = logging.getLogger("comlrl")
 
-def launch_record(spec: RunSpec) -> dict[str, Any]:
-    """What a run's checkpoints keep of its config: JSON only, secret config fields dropped."""
+
+def launch_record(spec: RunSpec) -> Optional[dict[str, Any]]:
+    """What a run's checkpoints keep of its config (JSON), or None when it cannot be kept whole.
+
+    Left out: ``wandb_config`` (export logs nothing), secret config fields, the comparator's
+    headers, and anywhere below, any key that looks like a credential (``token``, ``api_key``,
+    ``password``, ...): a checkpoint may be shared, and export needs none of them."""
     trainer = copy.deepcopy(spec.doc.data.get("trainer") or {})
+    trainer.pop("wandb_config", None)
     args = trainer.get("args")
     if isinstance(args, dict):
         secret = {f.name for f in dataclasses.fields(spec.entry.config) if f.metadata.get("secret")}
-        trainer["args"] = {k: v for k, v in args.items() if k not in secret}
-    trainer = json.loads(json.dumps(trainer, default=str))  # YAML dates and the like, as text
+        trainer["args"] = {k: _scrubbed(v) for k, v in args.items()
+                           if k not in secret and k != "comparator_api_headers"}
+    trainer = {k: (v if k == "args" or k.endswith("_dataset") else _scrubbed(v))  # datasets are data
+               for k, v in trainer.items() if not _CREDENTIAL.search(str(k))}
+    try:  # checkpoints hold strict JSON: a NaN in an inline dataset cannot be kept as written
+        trainer = json.loads(json.dumps(trainer, default=str, allow_nan=False))
+    except ValueError:
+        logger.info("comlrl: the config holds a non-finite number; it is not recorded in the checkpoints "
+                    "(comlrl export will need --config)")
+        return None
     return {"config_file": str(spec.doc.file) if spec.doc.file is not None else None,
-            "config": {"trainer": trainer}}
+            "config": {"trainer": trainer}, "cwd": str(Path.cwd())}
+
+
+_CREDENTIAL = re.compile(r"(?:^|[_\-. ])(?:token|api[_\-]?key|secret|password|passwd|auth|authorization|cookie|"
+                         r"credentials?)(?:$|[_\-. ])", re.I)
+
+
+def _scrubbed(value: Any) -> Any:
+    """``value`` without the mapping keys that look like credentials, at any depth."""
+    if isinstance(value, dict):
+        return {k: _scrubbed(v) for k, v in value.items() if not _CREDENTIAL.search(str(k))}
+    if isinstance(value, list):
+        return [_scrubbed(v) for v in value]
+    return value
 
 
 def _recorded(checkpoint: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -51,7 +81,7 @@ def with_recorded_trainer(argv: Sequence[str], checkpoint: Path, meta: dict[str,
     name = _recorded(checkpoint, meta)["config"]["trainer"].get("name")
     if not isinstance(name, str) or ":" in name:  # a trainer of the user's own file: found via the record
         return list(argv)
-    return [*argv, "--trainer", name]
+    return ["--trainer", name, *argv]  # first: after a `--` it would be a positional
 
 
 def recorded_document(checkpoint: Path, meta: dict[str, Any], flags: Document) -> Document:
@@ -62,12 +92,13 @@ def recorded_document(checkpoint: Path, meta: dict[str, Any], flags: Document) -
     replaced by a stand-in export never calls, and a record that names other code (a trainer or
     object from a file or module, ``trust_remote_code``) is refused: pass ``--config`` instead.
     Relative input paths are looked up next to the original config file, then in the working
-    directory, as they were for ``comlrl train``."""
+    directory, then in the one ``comlrl train`` ran in."""
     launch = _recorded(checkpoint, meta)
     config_file = launch["config_file"]
     label = f"{checkpoint.name}'s recorded config" + (f" ({Path(config_file).name})" if config_file else "")
     doc = Document(data={"trainer": _inert(copy.deepcopy(launch["config"]["trainer"]), label)},
-                   file=Path(config_file) if config_file else None, label=label)
+                   file=Path(config_file) if config_file else None, label=label,
+                   also_in=(Path(launch["cwd"]),) if launch.get("cwd") else ())
     for key, flag in flags.flags.items():
         doc.set(key, _value_at(flags.data, key), flag)
     return doc
@@ -79,6 +110,7 @@ def not_run_by_export(*args: Any, **kwargs: Any) -> Any:
 
 
 _STAND_IN = f"{__name__}:not_run_by_export"
+_SAFE_MODEL_KWARGS = {"dtype", "torch_dtype", "attn_implementation", "low_cpu_mem_usage"}
 _KEPT_AS_STAND_IN = ("reward_func", "external_transition")  # required by the trainers' constructors
 
 
@@ -100,6 +132,15 @@ def _inert(trainer: dict[str, Any], label: str) -> dict[str, Any]:
     except ValueError as exc:
         raise CliError(f"{label}: trainer.name: {exc}") from None
     out: dict[str, Any] = {}
+    args = trainer.get("args")
+    if isinstance(args, dict):  # no inference engine and its options: export samples nothing
+        trainer["args"] = {k: v for k, v in args.items() if not k.startswith("vllm_")}
+        trainer["args"]["rollout_backend"] = "hf"
+    options = trainer.get("model_config")
+    if isinstance(options, dict) and isinstance(options.get("model_kwargs"), dict):
+        unknown = sorted(set(options["model_kwargs"]) - _SAFE_MODEL_KWARGS)
+        if unknown:
+            raise refuse(f"model_config.model_kwargs sets {', '.join(unknown)}")
     for key, value in trainer.items():
         kind = _param_kind(key, params.get(key)) if key not in ("name", "args") else "plain"
         if kind == "callable":

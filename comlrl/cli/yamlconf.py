@@ -56,6 +56,7 @@ class Document:
     lines: dict[Key, int] = field(default_factory=dict)      # key -> line in the file
     flags: dict[Key, str] = field(default_factory=dict)      # key -> the flag that set it
     label: Optional[str] = None                              # how errors name it, if not by its file
+    also_in: tuple[Path, ...] = ()                           # more directories relative inputs may be in
 
     @property
     def name(self) -> str:
@@ -73,11 +74,23 @@ class Document:
         for depth in range(len(key), 0, -1):
             if key[:depth] in self.flags:
                 return f"{self.flags[key[:depth]]} ({dotted(key)})" if key else self.flags[key[:depth]]
-        if key in self.lines:
-            return f"{self.name}:{self.lines[key]}: {dotted(key)}"
-        if key and self.file is not None:  # every key of the file has a line: this one is not in it
+        if key and self.lines and not self._holds(key):  # a default: not in the file (nor merged into it)
             return f"{self.name}: {dotted(key)} (not set in the file)"
+        for depth in range(len(key), 0, -1):
+            if key[:depth] in self.lines:
+                return f"{self.name}:{self.lines[key[:depth]]}: {dotted(key)}"
         return f"{self.name}: {dotted(key)}" if key else self.name
+
+    def _holds(self, key: Key) -> bool:
+        node: Any = self.data
+        for part in key:
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+                node = node[part]
+            else:
+                return False
+        return True
 
     def error(self, key: Key, message: str) -> CliError:
         return CliError(f"{self.where(key)}: {message}")

@@ -26,8 +26,9 @@ __all__ = ["Persistence"]
 
 logger = logging.getLogger("comlrl")
 
-# Fingerprints of what decides how a run trains but not what its checkpoint's weights are.
-_TRAINING_ONLY = ("reward_func", "reward_processor", "formatters", "external_transition")
+# Fingerprints of what decides how a run trains, not what its checkpoint's weights are: an export
+# checks the rest (models, tokenizers, agents, LoRA, critics); the slots' files check the layout.
+_TRAINING_ONLY = ("reward_func", "reward_processor", "formatters", "external_transition", "config", "dataset")
 
 
 class Persistence:
@@ -165,8 +166,8 @@ class Persistence:
         return self.state.counters()
 
     def _load_for_export(self, checkpoint: Union[str, os.PathLike]) -> dict[str, int]:
-        """:meth:`load_checkpoint` for ``save_model`` only (``comlrl export``): the functions that
-        only shape training (reward, formatters, transition) need not be the run's."""
+        """:meth:`load_checkpoint` for ``save_model`` only (``comlrl export``): what only shapes
+        training (reward, formatters, transition, sampling settings, data) need not be the run's."""
         self._check_open()
         self._table("train")
         self._load_for_train(checkpoint, unchecked=_TRAINING_ONLY)

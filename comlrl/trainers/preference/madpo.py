@@ -186,8 +186,9 @@ class MADPOTrainer(Trainer):
     def preference_pairs(self, dataset: Any = None) -> list[PreferencePair]:
         """Preference pairs of ``dataset`` (default ``eval_dataset``), made as MADPO makes its
         training pairs: the current agents sample ``preference_num_candidates`` joint candidates per
-        prompt, the reward function scores them, ``pair_selection`` pairs them. For held-out
-        checks, e.g. :meth:`MARLHFTrainer.reward_model_accuracy`.
+        prompt, the reward function scores them, ``pair_selection`` pairs them (the iterative
+        trainers' ``"comparator_reward"``, which needs a comparator, pairs by reward gap here). For
+        held-out checks, e.g. :meth:`MARLHFTrainer.reward_model_accuracy`.
 
         The candidates come from seeds of their own (never a training set's), and every global
         random state is restored afterwards: training after this call is exactly as without it.
@@ -239,7 +240,9 @@ class MADPOTrainer(Trainer):
         """The pairs of one prompt's k joint candidates (rows group*k .. group*k + k - 1)."""
         rewards = turn.rewards[group * k:(group + 1) * k].tolist()
         rng = np.random.default_rng([self.args.seed, 11, self._set_id, index])
-        chosen = select_pairs(rewards, self.args.pair_selection, self.args.preference_pairs_per_sample, rng)
+        mode = self.args.pair_selection  # an iterative config's comparison-only mode: by reward gap here
+        chosen = select_pairs(rewards, "reward_gap" if mode == "comparator_reward" else mode,
+                              self.args.preference_pairs_per_sample, rng)
         mean = float(np.mean(rewards)) if rewards else 0.0
         return [self._pair(turn, group * k + w, turn, group * k + lose, rewards[w], rewards[lose], mean, index)
                 for w, lose in chosen]
