@@ -196,3 +196,21 @@ def test_named_variants_fix_the_baseline():
         MARLOOConfig(lr=1e-3)
     with pytest.raises(ConfigError, match="num_generations"):
         MAReMaxConfig(num_generations=1)
+
+
+def test_check_choice_normalises_aliases_and_none():
+    from comlrl.engine.config import check_choice
+    from comlrl.trainers.preference import MADPOIterConfig, MARLHFConfig
+
+    check = check_choice("current", "model", aliases={"external": "model"}, none_is="current")
+    assert [check("f", v) for v in (" Model ", "EXTERNAL", None, "")] == ["model", "model", "current", "current"]
+    for bad in ("other", 3, {"a": 1}):
+        with pytest.raises(ConfigError, match="f must be one of 'current', 'model'"):
+            check("f", bad)
+    with pytest.raises(ConfigError):
+        check_choice("a", "b")("g", None)  # without none_is, None is not a choice
+    assert MARLHFConfig(rl_algorithm=None).rl_algorithm == "magrpo"  # CoMLRL: None = the default
+    cfg = MADPOIterConfig(comparator_policy="Endpoint", comparator_api_url="http://localhost:1/x",
+                          comparator_generation_mode="centralised", preference_replay_mode=None)
+    assert (cfg.comparator_policy, cfg.comparator_generation_mode, cfg.preference_replay_mode) == \
+        ("api", "centralized", "current")

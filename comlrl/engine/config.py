@@ -86,9 +86,13 @@ def check_bool(name: str, value: Any) -> bool:
     return value
 
 
-def check_choice(*choices: str, aliases: Optional[dict[str, str]] = None) -> Check:
+def check_choice(*choices: str, aliases: Optional[dict[str, str]] = None, none_is: Optional[str] = None) -> Check:
+    """One of ``choices`` (case and surrounding spaces ignored, ``aliases`` mapped); with
+    ``none_is``, None or an empty string means that choice (CoMLRL's "None = the default")."""
     def check(name: str, value: Any) -> str:
-        key = value.strip().lower() if isinstance(value, str) else value
+        if none_is is not None and (value is None or value == ""):
+            value = none_is
+        key = value.strip().lower() if isinstance(value, str) else None  # choices are strings
         key = (aliases or {}).get(key, key)
         if key not in choices:
             raise ConfigError(f"{name} must be one of {', '.join(map(repr, choices))}; got {value!r}.")

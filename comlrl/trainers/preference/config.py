@@ -80,12 +80,7 @@ class MADPOConfig(TrainerConfig):
         return 1 if self.collaboration_mode == "centralized" else self.num_agents
 
 
-def _rl_algorithm(name: str, value: Any) -> str:
-    key = str(value or "magrpo").strip().lower()
-    key = {"mareforce": "mareinforce"}.get(key, key)
-    if key not in RL_ALGORITHMS:
-        raise ConfigError(f"rl_algorithm must be one of: {', '.join(RL_ALGORITHMS)}; got {value!r}.")
-    return key
+_rl_algorithm = check_choice(*RL_ALGORITHMS, aliases={"mareforce": "mareinforce"}, none_is="magrpo")
 
 
 @config_class
@@ -139,35 +134,17 @@ class MARLHFConfig(MADPOConfig):
                               f"(which uses {MAGRPO_FAMILY[self.rl_algorithm]!r}); change rl_algorithm instead.")
 
 
-def _replay_mode(name: str, value: Any) -> str:
-    key = str(value or "current").strip().lower()
-    aliases = {"latest": "current", "new": "current", "recent_k": "nearest_k", "last_k": "nearest_k", "k": "nearest_k",
-               "lambda": "lambda_decay", "td_lambda": "lambda_decay", "td-lambda": "lambda_decay"}
-    key = aliases.get(key, key)
-    if key not in REPLAY_MODES:
-        raise ConfigError(f"preference_replay_mode must be one of: {', '.join(REPLAY_MODES)}; got {value!r}.")
-    return key
-
-
-def _comparator_policy(name: str, value: Any) -> str:
-    key = str(value or "current").strip().lower()
-    aliases = {"self": "current", "online": "current", "copy": "current_copy", "online_copy": "current_copy",
-               "current-offload": "current_copy", "current_offload": "current_copy", "external": "model",
-               "comparator": "model", "reference": "model", "ref": "model", "checkpoint": "history",
-               "previous": "history", "previous_iteration": "history", "http": "api", "endpoint": "api"}
-    key = aliases.get(key, key)
-    if key not in COMPARATOR_POLICIES:
-        raise ConfigError(f"comparator_policy must be one of: {', '.join(COMPARATOR_POLICIES)}; got {value!r}.")
-    return key
-
-
-def _generation_mode(name: str, value: Any) -> str:
-    key = str(value or "decentralized").strip().lower()
-    key = {"decentralised": "decentralized", "multi_agent": "decentralized", "multi-agent": "decentralized",
-           "centralised": "centralized", "single_agent": "centralized", "single-agent": "centralized"}.get(key, key)
-    if key not in ("decentralized", "centralized"):
-        raise ConfigError(f"comparator_generation_mode must be one of: decentralized, centralized; got {value!r}.")
-    return key
+_replay_mode = check_choice(*REPLAY_MODES, none_is="current", aliases={
+    "latest": "current", "new": "current", "recent_k": "nearest_k", "last_k": "nearest_k", "k": "nearest_k",
+    "lambda": "lambda_decay", "td_lambda": "lambda_decay", "td-lambda": "lambda_decay"})
+_comparator_policy = check_choice(*COMPARATOR_POLICIES, none_is="current", aliases={
+    "self": "current", "online": "current", "copy": "current_copy", "online_copy": "current_copy",
+    "current-offload": "current_copy", "current_offload": "current_copy", "external": "model",
+    "comparator": "model", "reference": "model", "ref": "model", "checkpoint": "history",
+    "previous": "history", "previous_iteration": "history", "http": "api", "endpoint": "api"})
+_generation_mode = check_choice("decentralized", "centralized", none_is="decentralized", aliases={
+    "decentralised": "decentralized", "multi_agent": "decentralized", "multi-agent": "decentralized",
+    "centralised": "centralized", "single_agent": "centralized", "single-agent": "centralized"})
 
 
 def _headers(name: str, value: Any) -> Optional[dict]:
