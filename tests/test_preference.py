@@ -17,7 +17,7 @@ from comlrl.functional.preference import (bradley_terry_loss, dpo_logits, lambda
 from comlrl.trainers.preference import (JointRewardModel, MADPOConfig, MADPOIterConfig, MADPOIterTrainer,
                                         MADPOTrainer, MARLHFConfig, MARLHFIterConfig, MARLHFIterTrainer,
                                         MARLHFTrainer)
-from comlrl.utils import read_checkpoint_metadata, set_reward_range
+from comlrl.utils import find_latest_checkpoint, read_checkpoint_metadata, set_reward_range
 
 from helpers import SEED_PROMPTS, assert_bit_exact, length_ratio_reward, rows, state_of
 
@@ -264,6 +264,15 @@ def test_marlhf_evaluation_uses_the_task_reward(make):
 
 # --- iterative ----------------------------------------------------------------------------------------
 
+def _resumed_after_fewer_iterations(make, cls, part, settings, iterations):
+    """Train ``iterations`` iterations into ``part``, then resume the full run from its newest
+    checkpoint; returns the resumed trainer."""
+    make(cls, output_dir=str(part), **{**settings, "num_iterations": iterations}).train(checkpoint_dir=part)
+    resumed = make(cls, output_dir=str(part), **settings)
+    resumed.train(resume_from_checkpoint=find_latest_checkpoint(part), checkpoint_dir=part)
+    return resumed
+
+
 @pytest.mark.parametrize("mode, extra", [("current", {}), ("nearest_k", {"preference_replay_k": 1}),
                                          ("all_history", {"preference_replay_sample_size": 3}),
                                          ("lambda_decay", {"preference_replay_lambda": 0.5})])
@@ -282,11 +291,7 @@ def test_iterations_replay_and_resume_exactly(make, tmp_path, mode, extra):
     logged = rows(tmp_path / "full")
     assert [r["iter/current_iteration"] for r in logged if "iter/current_iteration" in r] == [1, 2, 3]
     part = tmp_path / "part"
-    make(MADPOIterTrainer, output_dir=str(part), **{**settings, "num_iterations": 2}).train(checkpoint_dir=part)
-    latest = max(part.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    resumed = make(MADPOIterTrainer, output_dir=str(part), **settings)
-    resumed.train(resume_from_checkpoint=latest, checkpoint_dir=part)
-    assert_bit_exact(state_of(full), state_of(resumed))
+    assert_bit_exact(state_of(full), state_of(_resumed_after_fewer_iterations(make, MADPOIterTrainer, part, settings, 2)))
     assert rows(part) == logged
 
 
@@ -306,11 +311,7 @@ def test_marlhf_iterations_retrain_the_reward_model_and_resume(make, tmp_path):
     full = make(MARLHFIterTrainer, output_dir=str(tmp_path / "f"), **settings)
     full.train(checkpoint_dir=tmp_path / "full")
     assert sum("reward_model/loss" in r for r in rows(tmp_path / "full")) == 2  # one reward model per iteration
-    part = tmp_path / "part"
-    make(MARLHFIterTrainer, output_dir=str(part), **{**settings, "num_iterations": 1}).train(checkpoint_dir=part)
-    latest = max(part.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    resumed = make(MARLHFIterTrainer, output_dir=str(part), **settings)
-    resumed.train(resume_from_checkpoint=latest, checkpoint_dir=part)
+    resumed = _resumed_after_fewer_iterations(make, MARLHFIterTrainer, tmp_path / "part", settings, 1)
     assert_bit_exact(state_of(full), state_of(resumed))
 
 
@@ -351,7 +352,7 @@ def test_http_comparator_with_timeouts_failures_and_a_secret_key(make, model_pat
         crashing._api.candidates = flaky
         with pytest.raises(ComparatorError, match="failed 2 time"):
             crashing.train(checkpoint_dir=part)
-        latest = max(part.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        latest = find_latest_checkpoint(part)
         meta = read_checkpoint_metadata(latest)  # iteration 1 complete; nothing of iteration 2 saved
         assert latest.name == "checkpoint-2" and meta["global_step"] == 4 and meta["epoch"] == 1
         resumed = make(MADPOIterTrainer, output_dir=str(part), **settings)
