@@ -291,7 +291,8 @@ def test_iterations_replay_and_resume_exactly(make, tmp_path, mode, extra):
     logged = rows(tmp_path / "full")
     assert [r["iter/current_iteration"] for r in logged if "iter/current_iteration" in r] == [1, 2, 3]
     part = tmp_path / "part"
-    assert_bit_exact(state_of(full), state_of(_resumed_after_fewer_iterations(make, MADPOIterTrainer, part, settings, 2)))
+    resumed = _resumed_after_fewer_iterations(make, MADPOIterTrainer, part, settings, 2)
+    assert_bit_exact(state_of(full), state_of(resumed))
     assert rows(part) == logged
 
 
