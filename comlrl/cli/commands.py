@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from ..exceptions import CheckpointDirError, CheckpointError, ComlrlError, ResumeMismatchError
-from .launch import launch_record, recorded_document, with_recorded_trainer
+from .launch import launch_record, recorded_document, recorded_trainer
 from .registry import available_trainers
 from .build import build_trainer
-from .runconfig import TRAIN_EXTRAS, RunSpec, _split_other_flags, check_run, locate_error, parse_run_args
+from .runconfig import TRAIN_EXTRAS, RunSpec, check_run, locate_error, parse_run_args
 from .yamlconf import CliError
 
 __all__ = ["train", "export", "checkpoints", "plot", "trainers"]
@@ -139,13 +139,10 @@ def export(argv: Sequence[str]) -> int:
     """``comlrl export CHECKPOINT OUT [--config CONFIG.yaml] [--merge]``."""
     from ..utils import read_checkpoint_metadata
 
-    checkpoint, meta = _export_checkpoint(argv)
-    if meta is not None:
-        argv = with_recorded_trainer(argv, checkpoint, meta)
     ns, doc, entry = parse_run_args(argv, "comlrl export", _EXPORT_USAGE,
                                     "Write a checkpoint's agents as model directories that "
                                     "AutoModelForCausalLM.from_pretrained loads.", _export_fixed,
-                                    require_config=False, train_section=False)
+                                    require_config=False, train_section=False, default_trainer=_recorded_trainer)
     if not ns.checkpoint or not ns.out:
         raise CliError(f"usage: {_EXPORT_USAGE}")
     checkpoint = Path(ns.checkpoint)
@@ -175,20 +172,17 @@ def export(argv: Sequence[str]) -> int:
     return 0
 
 
-def _export_checkpoint(argv: Sequence[str]) -> tuple[Optional[Path], Optional[dict[str, Any]]]:
-    """The checkpoint ``argv`` names and its metadata, when it can be read (errors come later, with
-    the whole command line parsed)."""
+def _recorded_trainer(known: argparse.Namespace) -> Optional[str]:
+    """Without ``--config``: the trainer the checkpoint's recorded config names, so that its flags
+    are known (an unreadable checkpoint is reported once everything is parsed)."""
     from ..utils import read_checkpoint_metadata
 
-    kept, _ = _split_other_flags(list(argv), {"--config", "--trainer", "--trainer.name", "--merge"})
-    positional = [t for i, t in enumerate(kept) if not t.startswith("--")
-                  and not (i and kept[i - 1] in ("--config", "--trainer", "--trainer.name"))]
-    if not positional:
-        return None, None
+    if known.config or not known.checkpoint:
+        return None
     try:
-        return Path(positional[0]), read_checkpoint_metadata(positional[0])
+        return recorded_trainer(read_checkpoint_metadata(known.checkpoint))
     except CheckpointError:
-        return None, None
+        return None
 
 
 # --- checkpoints ----------------------------------------------------------------------------------

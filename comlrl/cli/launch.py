@@ -15,12 +15,12 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from .runconfig import RunSpec, _split_other_flags
+from .runconfig import RunSpec
 from .yamlconf import CliError, Document, Key
 
-__all__ = ["launch_record", "recorded_document", "with_recorded_trainer"]
+__all__ = ["launch_record", "recorded_document", "recorded_trainer"]
 
 logger = logging.getLogger("comlrl")
 
@@ -71,17 +71,12 @@ def _recorded(checkpoint: Path, meta: dict[str, Any]) -> dict[str, Any]:
     return launch
 
 
-def with_recorded_trainer(argv: Sequence[str], checkpoint: Path, meta: dict[str, Any]) -> list[str]:
-    """``argv`` with ``--trainer NAME`` of the recorded config added (so that the recorded
-    trainer's flags are known), unless it names a config or a trainer itself."""
-    kept, other = _split_other_flags(list(argv), {"--config", "--trainer", "--trainer.name", "--merge"})
-    given = {token.partition("=")[0] for token in kept} | {flag for flag, _ in other}
-    if given & {"--config", "--trainer", "--trainer.name"} or meta.get("launch") is None:
-        return list(argv)
-    name = _recorded(checkpoint, meta)["config"]["trainer"].get("name")
-    if not isinstance(name, str) or ":" in name:  # a trainer of the user's own file: found via the record
-        return list(argv)
-    return ["--trainer", name, *argv]  # first: after a `--` it would be a positional
+def recorded_trainer(meta: dict[str, Any]) -> Optional[str]:
+    """The registered trainer name a checkpoint's record names (None without a record, or for a
+    trainer class from a file, which export refuses to import anyway)."""
+    launch = meta.get("launch")
+    name = launch["config"]["trainer"].get("name") if launch is not None else None
+    return name if isinstance(name, str) and ":" not in name else None
 
 
 def recorded_document(checkpoint: Path, meta: dict[str, Any], flags: Document) -> Document:

@@ -148,11 +148,14 @@ def _add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> 
 
 def parse_run_args(argv: Sequence[str], prog: str, usage: str, description: str,
                    add_fixed: Callable[[argparse.ArgumentParser], None], require_config: bool = True,
-                   train_section: bool = True) -> tuple[argparse.Namespace, Document, TrainerEntry]:
+                   train_section: bool = True,
+                   default_trainer: Optional[Callable[[argparse.Namespace], Optional[str]]] = None,
+                   ) -> tuple[argparse.Namespace, Document, TrainerEntry]:
     """Parse ``comlrl train|export`` arguments: the fixed ones, the config file, and every override.
 
-    The trainer (from the config or ``--trainer``) decides which flags exist, so the arguments are
-    read twice: once for the config and the trainer, then with that trainer's flags."""
+    The trainer (from ``--trainer``, else the config, else ``default_trainer`` of the fixed
+    arguments, else MAGRPO) decides which flags exist, so the arguments are read twice: once for
+    the config and the trainer, then with that trainer's flags."""
     first = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
     add_fixed(first)
     first.add_argument("--trainer", "--trainer.name", dest="_trainer", default=None)
@@ -163,6 +166,8 @@ def parse_run_args(argv: Sequence[str], prog: str, usage: str, description: str,
     doc = load_document(config_path) if config_path else Document(data={})
     section = doc.data.get("trainer")
     name = known._trainer or (section.get("name") if isinstance(section, dict) else None)
+    if name is None and default_trainer is not None:
+        name = default_trainer(known)
     if isinstance(section, dict):  # `train_dataset: file.jsonl` is `{path: file.jsonl}`: flags may add keys
         for param, value in section.items():
             if isinstance(param, str) and param.endswith("_dataset") and isinstance(value, str):
