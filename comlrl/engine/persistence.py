@@ -35,10 +35,10 @@ class Persistence:
     """Checkpoint and export methods of :class:`comlrl.engine.trainer.Trainer`."""
 
     #: How the run was launched, kept in its checkpoints: ``comlrl train`` sets
-    #: ``{"config_file": str | None, "config": {"trainer": {...}}}`` so that ``comlrl export`` can
-    #: rebuild the trainer without the config file. Never read by training.
+    #: ``{"config_file", "config": {"trainer": {...}}, "cwd"}`` (:func:`comlrl.cli.launch.launch_record`)
+    #: so that ``comlrl export`` can rebuild the trainer without the config file. Never read by training.
     launch_config: Optional[dict[str, Any]] = None
-    _code_cache: Optional[tuple[tuple, dict[str, Any]]] = None
+    _code_cache: Optional[tuple[list, dict[str, Any]]] = None
 
     def _fingerprints(self) -> dict[str, Any]:
         """What a resumed run must share with this one (computed once: hashing a large tokenizer or
@@ -65,15 +65,13 @@ class Persistence:
         """Fingerprints of the run's functions, taken when they are first seen (at construction,
         again only if one is replaced): a value a function fills as it runs, such as a memo cache,
         must not make its own run look changed at resume."""
-        functions = (self.reward_func, self.reward_processor, tuple(f.source for f in self.formatters),
-                     self.external_transition if self.transition else None)
-        key = tuple(id(f) for f in functions[:2]) + (tuple(id(f) for f in functions[2]), id(functions[3]))
-        if self._code_cache is None or self._code_cache[0] != key:
-            self._code_cache = (key, {
-                "reward_func": callable_fingerprint(functions[0]),
-                "reward_processor": callable_fingerprint(functions[1]),
-                "formatters": [callable_fingerprint(f) for f in functions[2]],
-                "external_transition": callable_fingerprint(functions[3])})
+        functions = {"reward_func": self.reward_func, "reward_processor": self.reward_processor,
+                     "external_transition": self.external_transition if self.transition else None}
+        formatters = [f.source for f in self.formatters]
+        held = [*functions.values(), *formatters]  # kept alive in the cache, so their ids stay theirs
+        if self._code_cache is None or list(map(id, self._code_cache[0])) != list(map(id, held)):
+            self._code_cache = (held, {**{name: callable_fingerprint(f) for name, f in functions.items()},
+                                       "formatters": [callable_fingerprint(f) for f in formatters]})
         return self._code_cache[1]
 
     def _record(self) -> dict[str, Any]:
@@ -126,10 +124,11 @@ class Persistence:
             from ..checkpoint.legacy_resume import resume_legacy
 
             return resume_legacy(self, path)
-        fingerprints = {k: v for k, v in self._fingerprints().items() if k not in unchecked}
-        state = self.checkpoints.load(path, self._slots(), fingerprints, rank=self.dist.rank,
-                                      saved_fingerprints=lambda s: {k: v for k, v in s["fingerprints"].items()
-                                                                    if k not in unchecked})
+        def checked(fingerprints: dict[str, Any]) -> dict[str, Any]:
+            return {k: v for k, v in fingerprints.items() if k not in unchecked}
+
+        state = self.checkpoints.load(path, self._slots(), checked(self._fingerprints()), rank=self.dist.rank,
+                                      saved_fingerprints=lambda s: checked(s["fingerprints"]))
         if state["world_size"] != self.dist.world_size and self.dist.is_main:
             logger.warning("comlrl: %s was written by %d process(es) and resumes on %d: the run continues within "
                            "float tolerance of the uninterrupted one, not bit for bit.", path, state["world_size"],
