@@ -223,7 +223,8 @@ def test_fresh_run_refuses_a_directory_with_another_runs_checkpoints(make_traine
     d = tmp_path / "taken"
     make_trainer(num_train_epochs=1).train(checkpoint_dir=d)
     snapshot = {p: p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != ".comlrl.lock"}
-    with pytest.raises(CheckpointDirError, match="another run"):
+    run_id = read_checkpoint_metadata(d / "checkpoint-1")["run_id"]
+    with pytest.raises(CheckpointDirError, match=f"another run \\(run id {run_id[:12]};.*resume from its newest"):
         make_trainer(num_train_epochs=2).train(checkpoint_dir=d)
     assert snapshot == {p: p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != ".comlrl.lock"}
 

@@ -390,6 +390,36 @@ def test_every_config_field_is_a_flag():
         for f in dataclasses.fields(entry.config):
             assert f"--trainer.args.{f.name}" in flags and f"--{f.name}" in flags, (entry.name, f.name)
         assert {"--resume", "--checkpoint_dir", "--save_steps", "--trainer.reward_func"} <= flags
+        export_flags = {flag for option in options_for(entry, train_section=False) for flag in option.flags}
+        assert not export_flags & {"--resume", "--checkpoint_dir", "--save_steps", "--save_model"}  # export trains not
+        assert f"--{dataclasses.fields(entry.config)[0].name}" in export_flags
+
+
+def test_trainers_list_whole_first_sentences(capsys):
+    assert main(["trainers"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["MADPOIter"].endswith("rounds of sampling, comparing against a comparator, and DPO.")
+    assert lines["MAREINFORCE"].endswith('(advantage_mode="raw").')  # no reST markup
+    assert all(line.rstrip().endswith((".", ")")) for line in lines.values())
+
+
+def test_the_summary_names_only_the_trackers_that_ran(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import comlrl.cli.commands as commands
+
+    out = tmp_path / "run"
+    trainer = SimpleNamespace(state=SimpleNamespace(epoch=1, env_step=8, global_step=1), wandb_config=None,
+                              args=SimpleNamespace(report_to=["tensorboard"], output_dir=str(out)))
+    spec = SimpleNamespace(entry=SimpleNamespace(name="MAGRPO"))
+    lines = []
+    monkeypatch.setattr(commands, "_say", lines.append)
+    commands._report(spec, trainer, {}, {}, None)
+    trainer.args.report_to = None  # CoMLRL's default: metrics.jsonl
+    commands._report(spec, trainer, {}, {"checkpoint_dir": str(out)}, None)
+    assert lines[0].endswith("(env_step 8, 1 optimizer step)")
+    assert lines[1] == "comlrl: logged to tensorboard" and "metrics.jsonl" not in "".join(lines[:2])
+    assert lines[3] == f"comlrl: checkpoints in {out}; metrics in {out / 'metrics.jsonl'}"
 
 
 def test_datasets_objects_and_the_tiny_model(tmp_path):

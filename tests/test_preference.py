@@ -312,6 +312,9 @@ def test_marlhf_iterations_retrain_the_reward_model_and_resume(make, tmp_path):
     full = make(MARLHFIterTrainer, output_dir=str(tmp_path / "f"), **settings)
     full.train(checkpoint_dir=tmp_path / "full")
     assert sum("reward_model/loss" in r for r in rows(tmp_path / "full")) == 2  # one reward model per iteration
+    # Its epochs share a row (no environment step), which also holds the last epoch's own figures.
+    assert all({"reward_model/final_loss", "reward_model/final_accuracy"} <= set(r)
+               for r in rows(tmp_path / "full") if "reward_model/loss" in r)
     resumed = _resumed_after_fewer_iterations(make, MARLHFIterTrainer, tmp_path / "part", settings, 1)
     assert_bit_exact(state_of(full), state_of(resumed))
 
@@ -321,9 +324,16 @@ def test_http_comparator_with_timeouts_failures_and_a_secret_key(make, model_pat
     model: retried through a failure, stopped cleanly when the endpoint stays down (nothing of that
     iteration applied, the last checkpoint intact), resumed when it is back, ending exactly where an
     uninterrupted run ends. The API key goes to the endpoint and nowhere else."""
-    from comlrl.trainers.preference.comparators import ComparatorError
+    import comlrl
+    from comlrl.exceptions import ComparatorError
+    from comlrl.trainers import preference
+    from comlrl.trainers.preference import comparators
 
     from comparator_server import ComparatorServer
+
+    # One class, where users look for it: comlrl, comlrl.exceptions, the family and its module.
+    assert comlrl.ComparatorError is preference.ComparatorError is comparators.ComparatorError is ComparatorError
+    assert issubclass(ComparatorError, comlrl.TrainingError)
 
     secret = "sk-test-" + "7" * 24
     monkeypatch.setenv("COMPARATOR_KEY", secret)
