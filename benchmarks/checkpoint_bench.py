@@ -50,7 +50,7 @@ def main() -> None:
             trainer.checkpoints.wait()  # the background write, committed
             saves.append(time.perf_counter() - start)
             start = time.perf_counter()
-            trainer.checkpoints.load(saved, trainer._slots(), trainer._fingerprints())
+            trainer.checkpoints.load(saved, trainer._saved_slots(), trainer._fingerprints())
             loads.append(time.perf_counter() - start)
         size = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
         state_json = (saved / ckpt.STATE_FILE).stat().st_size

@@ -2,7 +2,8 @@
 
 from comlrl.testing import SEED_PROMPTS, length_ratio_reward
 
-__all__ = ["SEED_PROMPTS", "TEST_SETTINGS", "length_ratio_reward", "state_of", "assert_bit_exact", "rows", "play"]
+__all__ = ["SEED_PROMPTS", "TEST_SETTINGS", "length_ratio_reward", "state_of", "assert_bit_exact", "rows", "play",
+           "record_gradients", "assert_same_gradients", "GRADIENT_RTOL"]
 
 # What most tests train with, set explicitly rather than relying on the (CoMLRL 1.4.3) defaults:
 # one turn, one prompt per optimizer step, plain sampling, the GRPO token-mean loss.
@@ -33,6 +34,49 @@ def assert_bit_exact(a, b):
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+
+
+def record_gradients(trainer):
+    """Start recording, for every optimizer step of ``trainer``, the gradients each optimizer is
+    about to apply (after clipping); returns the list that fills, one ``{slot.index: grad}`` per step."""
+    steps = []
+
+    def hook(slot):
+        def record(optimizer, args, kwargs):
+            grads = {f"{slot}.{i}": p.grad.detach().clone() for i, p in
+                     enumerate(p for group in optimizer.param_groups for p in group["params"]) if p.grad is not None}
+            if not steps or slot in {k.split(".")[0] for k in steps[-1]}:
+                steps.append({})
+            steps[-1].update(grads)
+        return record
+
+    for slot, opt in trainer._slots().optimizers.items():
+        opt.register_step_pre_hook(hook(slot))
+    return steps
+
+
+# Float32 gradients of the same loss computed in other batch shapes (micro-batches, processes, one
+# row at a time) differ by reordered sums: a relative error of about (depth) x sqrt(contraction
+# length) x 2**-24 ~ 20 x 32 x 6e-8 ~ 4e-5 for our tiny models, on any processor's kernels. 1e-4 of
+# the step's gradient norm leaves 2.5x of that bound (measured: 6e-8 to 8e-8 with the default, avx2
+# and avx512 kernels, MADPO, one batch vs one pair per micro-batch); a real bug (a micro-batch
+# dropped or counted twice, a wrong denominator) is off by >= 1 / (number of micro-batches).
+GRADIENT_RTOL = 1e-4
+
+
+def assert_same_gradients(a, b, rtol=GRADIENT_RTOL):
+    """Two recorded steps' gradients agree tensor by tensor within ``rtol`` of the step's whole
+    gradient norm. (Weights after AdamW are not compared: its first step maps each gradient to about
+    +-lr whatever its size, so a last-bit difference in a near-zero gradient is a full-size
+    difference in the weight.)"""
+    import torch
+
+    assert a.keys() == b.keys() and a, (sorted(a)[:3], sorted(b)[:3])
+    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in a.values()))
+    assert norm > 0
+    for key in a:
+        diff = float((a[key].double() - b[key].double()).norm())
+        assert diff <= rtol * float(norm), f"{key}: |difference| {diff:.3g} > {rtol} x |gradient| {float(norm):.3g}"
 
 
 def rows(directory):

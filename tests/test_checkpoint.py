@@ -37,8 +37,10 @@ def test_checkpoints_per_epoch_and_metadata(uninterrupted):
     assert set(state["rng"]) >= {"python", "numpy"}
     files = {p.relative_to(directory / "checkpoint-2").as_posix() for p in (directory / "checkpoint-2").rglob("*")
              if p.is_file()}
-    assert files == {"manifest.json", "trainer_state.json", "rng.safetensors", "agent-0/model.safetensors",
-                     "agent-0/optimizer.safetensors", "agent-1/model.safetensors", "agent-1/optimizer.safetensors"}
+    agent_files = {"model.safetensors", "optimizer.safetensors", "config.json", "generation_config.json",
+                   "tokenizer.json", "tokenizer_config.json"}  # a from_pretrained folder, plus its optimizer
+    assert files == {"manifest.json", "trainer_state.json", "rng.safetensors",
+                     *(f"agent-{i}/{name}" for i in range(2) for name in agent_files)}
     manifest = json.loads((directory / "checkpoint-2" / "manifest.json").read_text())
     assert set(manifest["files"]) == files - {"manifest.json"}  # every byte resume reads is hashed
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from comlrl.cli import main
 from comlrl.cli.yamlconf import CliError, Document, load_document, parse_value
@@ -119,8 +120,11 @@ def test_export_writes_loadable_agents(seed_run, tmp_path):
 
 
 def test_export_needs_no_config_after_comlrl_train(seed_run, tmp_path, capsys):
-    """comlrl train records its config (overrides applied) in every checkpoint; export rebuilds the
-    trainer from it, from any working directory (relative inputs are looked up next to the config)."""
+    """Export copies the checkpoint's model folders: no config, from any working directory; with
+    --config it rebuilds the trainer instead (for checkpoints older than the loadable folders),
+    and both give the same weights."""
+    from safetensors.torch import load_file
+
     work, run, _ = seed_run
     from comlrl.utils import read_checkpoint_metadata
 
@@ -133,17 +137,16 @@ def test_export_needs_no_config_after_comlrl_train(seed_run, tmp_path, capsys):
     result = comlrl("export", str(run / "checkpoint-2"), str(without), cwd=tmp_path)
     assert "exported checkpoint-2 (epoch 2, env_step 32)" in result.stdout
     for i in range(2):
-        assert (with_config / f"agent_{i}" / "model.safetensors").read_bytes() == \
-            (without / f"agent_{i}" / "model.safetensors").read_bytes()
-    # An override that contradicts the run's models is refused, naming the recorded config; one
-    # that only shapes training (sampling, learning rate) does not matter to the weights.
+        rebuilt, copied = (load_file(str(d / f"agent_{i}" / "model.safetensors")) for d in (with_config, without))
+        assert rebuilt.keys() == copied.keys() and all(torch.equal(rebuilt[k], copied[k]) for k in rebuilt)
+    # Flags have nothing to change in a copy: refused, and nothing is written.
     assert main(["export", str(run / "checkpoint-2"), str(tmp_path / "x"), "--trainer.num_agents", "3"]) == 2
     err = capsys.readouterr().err
-    assert "checkpoint-2's recorded config (seed.yaml) does not describe the run" in err
-    assert "num_agents: saved 2, now 3" in err and not (tmp_path / "x").exists()
-    assert main(["export", str(run / "checkpoint-2"), str(tmp_path / "y"), "--max_new_tokens", "9"]) == 0
-    assert (tmp_path / "y" / "agent_1" / "model.safetensors").read_bytes() == \
-        (without / "agent_1" / "model.safetensors").read_bytes()
+    assert "export copies as they are" in err and "--config" in err and not (tmp_path / "x").exists()
+    # Rebuilding from a config that contradicts the run is refused, and nothing is written.
+    assert main(["export", str(run / "checkpoint-2"), str(tmp_path / "x"), "--config", str(SEED),
+                 "--trainer.num_agents", "3", *FAST, *wandb_flags(work)]) == 2
+    assert "completions3" in capsys.readouterr().err and not (tmp_path / "x").exists()  # the reward takes 2
     assert main(["export", "--", str(run / "checkpoint-2"), str(tmp_path / "z")]) == 0  # argparse's `--`
 
 
@@ -162,8 +165,9 @@ def test_export_finds_inputs_where_training_found_them(tmp_path):
 
 
 def test_export_runs_no_code_a_checkpoint_names(seed_run, tmp_path, capsys):
-    """A shared checkpoint's record is made inert: its functions are never imported (export calls
-    none), and a record naming other code to call is refused before anything is imported."""
+    """A shared checkpoint names code in its record: export of a checkpoint with model folders never
+    reads the record; an older one's record is made inert (its functions are never imported, and a
+    record naming other code to call is refused before anything is imported)."""
     from test_checkpoint_safety import forge
 
     _, run, _ = seed_run
@@ -172,31 +176,45 @@ def test_export_runs_no_code_a_checkpoint_names(seed_run, tmp_path, capsys):
     evil.write_text(f"open({str(marker)!r}, 'w').close()\ndef fn(*a, **k):\n    return [1.0]\n"
                     "class Trainer:\n    pass\n")
 
-    def planted(edit):
+    def planted(edit, folders=True):
         copy = tmp_path / f"copy-{len(list(tmp_path.glob('copy-*')))}"
         shutil.copytree(run / "checkpoint-2", copy / "checkpoint-2")
-        forge(copy / "checkpoint-2", lambda state: edit(state["launch"]["config"]["trainer"]))
+        forge(copy / "checkpoint-2", lambda state: (edit(state["launch"]["config"]["trainer"]),
+                                                     None if folders else state.pop("folders")))
         return copy / "checkpoint-2"
 
-    checkpoint = planted(lambda t: t.update(reward_func=f"{evil}:fn", formatters=[f"{evil}:fn"]))
+    edits = [(lambda t: t.update(name=f"{evil}:Trainer"), "is a class from a file or module"),
+             (lambda t: t.update(agent_model={"call": f"{evil}:fn"}), "trainer.agent_model names code to call"),
+             (lambda t: t.update(model_config={"model_kwargs": {"trust_remote_code": True}}), "trust_remote_code")]
+    for i, (edit, _) in enumerate(edits):  # copied folder by folder: the record is never read
+        assert main(["export", str(planted(edit)), str(tmp_path / f"ok{i}")]) == 0
+        assert (tmp_path / f"ok{i}" / "agent_1" / "model.safetensors").is_file()
+    # A checkpoint from before the folders (simulated: its 'folders' record removed) is rebuilt from the record.
+    checkpoint = planted(lambda t: t.update(reward_func=f"{evil}:fn", formatters=[f"{evil}:fn"]), folders=False)
     assert main(["export", str(checkpoint), str(tmp_path / "ok")]) == 0  # the recorded reward is never needed
     assert (tmp_path / "ok" / "agent_1" / "model.safetensors").is_file()
-    for edit, words in [
-        (lambda t: t.update(name=f"{evil}:Trainer"), "is a class from a file or module"),
-        (lambda t: t.update(agent_model={"call": f"{evil}:fn"}), "trainer.agent_model names code to call"),
-        (lambda t: t.update(model_config={"model_kwargs": {"trust_remote_code": True}}), "trust_remote_code"),
-    ]:
-        assert main(["export", str(planted(edit)), str(tmp_path / "no")]) == 2
+    for edit, words in edits:
+        assert main(["export", str(planted(edit, folders=False)), str(tmp_path / "no")]) == 2
         err = capsys.readouterr().err
         assert words in err and "runs no code a checkpoint names" in err and "--config" in err
     assert not marker.exists() and not (tmp_path / "no").exists()
 
 
-def test_export_of_a_python_api_run_asks_for_the_config(make_trainer, tmp_path, capsys):
-    make_trainer(num_train_epochs=1).train(checkpoint_dir=tmp_path / "run")
-    assert main(["export", str(tmp_path / "run" / "checkpoint-1"), str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert "was not trained with `comlrl train`" in err and "pass --config CONFIG.yaml" in err
+def test_export_of_a_python_api_run_needs_only_the_checkpoint(make_trainer, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    trainer = make_trainer(num_train_epochs=1)
+    trainer.train(checkpoint_dir=tmp_path / "run")
+    assert main(["export", str(tmp_path / "run" / "checkpoint-1"), str(tmp_path / "out")]) == 0
+    assert "to " + str(tmp_path / "out") + ": agent_0, agent_1" in capsys.readouterr().out
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "agent_1")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), trainer.agents[1].state_dict().values()))
+    # ... and never replaces a folder it did not write (the user's own final/, the run directory)
+    (tmp_path / "final" / "agent_0").mkdir(parents=True)
+    for out in (tmp_path / "final", tmp_path / "run"):
+        assert main(["export", str(tmp_path / "run" / "checkpoint-1"), str(out)]) == 2
+        assert "already holds files export did not write" in capsys.readouterr().err
+    assert (tmp_path / "final" / "agent_0").is_dir() and (tmp_path / "run" / "checkpoint-1").is_dir()
 
 
 def test_the_recorded_config_leaves_secrets_out():

@@ -48,7 +48,7 @@ def test_agents_share_one_base_and_checkpoints_hold_adapters_only(model_path, to
     saved = tmp_path / "ckpt" / "checkpoint-2"
     from safetensors.torch import load_file
 
-    weights = load_file(str(saved / "agent-0" / "model.safetensors"))
+    weights = load_file(str(saved / "agent-0" / "adapter_model.safetensors"))  # PEFT's adapter file
     assert weights and all("lora_" in k for k in weights)
     assert sum(t.numel() for t in weights.values()) == adapter_params
     state = json.loads((saved / "trainer_state.json").read_text())

@@ -433,15 +433,18 @@ def test_save_model_writes_loadable_transformers_directories(make_trainer, tmp_p
         loaded = AutoModelForCausalLM.from_pretrained(out / f"agent_{i}")
         assert all(torch.equal(a, b) for a, b in zip(agent.state_dict().values(), loaded.state_dict().values()))
         assert len(AutoTokenizer.from_pretrained(out / f"agent_{i}")) == len(trainer.tokenizers[i])
-    (out / "agent_0" / "stale.txt").write_text("from an older save")
-    trainer.save_model(out)  # replaces the previous save as a whole
-    assert not (out / "agent_0" / "stale.txt").exists() and not list(tmp_path.glob(".*final*"))
+    trainer.save_model(out)  # replaces its own previous save as a whole
+    assert not list(tmp_path.glob(".*final*"))
+    (out / "agent_0" / "notes.txt").write_text("the user's, not save_model's")
+    with pytest.raises(ConfigError, match="already holds files export did not write"):
+        trainer.save_model(out)  # a file it did not write is never deleted
+    assert (out / "agent_0" / "notes.txt").is_file()
 
 
 def test_save_model_never_deletes_other_files(make_trainer, tmp_path):
     trainer = make_trainer(num_train_epochs=1)
     trainer.train(checkpoint_dir=tmp_path / "ckpt")
-    with pytest.raises(ConfigError, match="holds more than agent_\\* / critic folders"):
+    with pytest.raises(ConfigError, match="already holds files export did not write"):
         trainer.save_model(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "checkpoint-1").is_dir() and (tmp_path / "ckpt" / "metrics.jsonl").is_file()
 

@@ -8,9 +8,16 @@ A checkpoint is a directory ``checkpoint-N``::
       trainer_state.json            counters, data position, RNG states, tracker identity, config,
                                     fingerprints, optimizer / scheduler hyper-state
       rng.safetensors               torch CPU / CUDA generator states (every process's)
-      agent-0/model.safetensors     a trained module's weights (agent-i, critic-i, ...)
-      agent-0/optimizer.safetensors its optimizer's moments
+      agent-0/                      one folder per trained module (agent-i, critic-i, ...), laid
+        model.safetensors           out as the tools people load it with expect (SlotLayout):
+        config.json                 a transformers model folder (from_pretrained), a PEFT adapter
+        generation_config.json      folder (adapter_config.json + adapter_model.safetensors), a
+        tokenizer.json ...          backbone plus value_head.safetensors for value models
+        optimizer.safetensors       its optimizer's moments (ignored by those tools)
       ...
+
+Format 2 (before the folders became loadable) had ``model.safetensors`` with the module's whole
+state dict and no side files; it is still read.
 
 Tensors live in safetensors and everything else in JSON, so loading never unpickles anything: a
 tampered checkpoint cannot run code. Every byte that resume reads is covered by a hash in the
@@ -27,28 +34,31 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import _remove_duplicate_names, load_file, load_model, save_file
+from safetensors.torch import _remove_duplicate_names, load_file, save_file
 
 from .._io import fsync_dir, fsync_tree, move_into_place
 from ..exceptions import CheckpointError
 
-__all__ = ["FORMAT_VERSION", "STATE_FILE", "MANIFEST_FILE", "RNG_FILE", "DATA_FILE", "Snapshot", "checkpoint_path",
+__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATE_FILE", "MANIFEST_FILE", "RNG_FILE", "DATA_FILE",
+           "OPTIMIZER_FILE", "SlotLayout", "PLAIN_LAYOUT", "Snapshot", "checkpoint_path",
            "checkpoint_number", "list_checkpoints", "read_manifest", "read_state", "verify", "snapshot",
            "write_checkpoint", "load_module", "load_optimizer", "load_tensors", "remove_checkpoints"]
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (2, 3)  # 2: one model.safetensors per slot, no side files
 STATE_FILE = "trainer_state.json"
 MANIFEST_FILE = "manifest.json"
 RNG_FILE = "rng.safetensors"
 DATA_FILE = "algorithm.safetensors"  # a trainer family's own tensors (e.g. preference pairs)
+OPTIMIZER_FILE = "optimizer.safetensors"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
-_SLOT = re.compile(r"^[a-z]+(-[a-z]+)*-\d+$")
+SLOT_NAME = re.compile(r"^[a-z]+(-[a-z]+)*-\d+$")  # agent-0, critic-1, reward-model-0
 
 
 def checkpoint_path(directory: str | os.PathLike, number: int) -> Path:
@@ -110,9 +120,9 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     body = {k: v for k, v in manifest.items() if k != "sha256"}
     if hashlib.sha256(_canonical(body)).hexdigest() != manifest["sha256"]:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} does not match its own sha256 (corrupted or edited).")
-    if body.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {path}: format_version {body.get('format_version')!r} is not "
-                              f"{FORMAT_VERSION}; it was written by another comlrl version.")
+    if body.get("format_version") not in READABLE_VERSIONS:
+        raise CheckpointError(f"checkpoint {path}: format_version {body.get('format_version')!r} is not one of "
+                              f"{list(READABLE_VERSIONS)}; it was written by another comlrl version.")
     number = body.get("checkpoint")
     named = _NAME.match(path.name)
     if not isinstance(number, int) or isinstance(number, bool) or number < 1 or \
@@ -152,12 +162,16 @@ def verify(path: str | os.PathLike, expected: Optional[Iterable[str]] = None) ->
     return manifest
 
 
-def verify_listing(path: Path, expected: Iterable[str], manifest: Optional[dict[str, Any]] = None) -> None:
-    """The manifest lists exactly the ``expected`` files (and the state): a checkpoint's file list
-    is complete by construction, so dropping an entry cannot switch off a file's hash check."""
+def verify_listing(path: Path, expected: Iterable[str], manifest: Optional[dict[str, Any]] = None,
+                   side_folders: Iterable[str] = ()) -> None:
+    """The manifest lists every ``expected`` file (and the state), and nothing else but side files
+    (config, tokenizer files: never read by resume) inside ``side_folders``. A checkpoint's file
+    list is complete by construction, so dropping an entry cannot switch off a file's hash check."""
     listed = set((manifest or read_manifest(path))["files"])
     wanted = set(expected) | {STATE_FILE}
-    missing, extra = sorted(wanted - listed), sorted(listed - wanted)
+    folders = set(side_folders)
+    missing = sorted(wanted - listed)
+    extra = sorted(rel for rel in listed - wanted if rel.split("/", 1)[0] not in folders or "/" not in rel)
     if missing or extra:
         raise CheckpointError(f"checkpoint {path} does not hold the files this trainer needs: missing "
                               f"{missing or 'none'}, unexpected {extra or 'none'}.")
@@ -220,6 +234,7 @@ class Snapshot:
     number: int
     record: dict[str, Any]                                                      # trainer_state.json
     files: dict[str, tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]]  # path -> (tensors, metadata)
+    sidecars: dict[str, bytes] = field(default_factory=dict)                    # path -> bytes (config, ...)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for tensors, _ in self.files.values() for t in tensors.values())
@@ -239,27 +254,79 @@ def _copies(tensors: Mapping[str, torch.Tensor], reuse: Optional[dict[str, torch
     return out
 
 
-def _model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]:
-    """The state dict with tied tensors listed once, as ``safetensors.torch.save_model`` writes it
-    (so ``load_model`` reads it back the same way), and the metadata naming the dropped aliases."""
-    state_dict = model.state_dict()
-    metadata: Optional[dict[str, str]] = None
-    for kept, removed in _remove_duplicate_names(state_dict).items():
+@dataclass(frozen=True)
+class SlotLayout:
+    """How one trained module is stored in its folder ``slot/`` of a checkpoint.
+
+    Attributes:
+        parts: ``(prefix, file)`` pairs. The module's state-dict entries whose key starts with
+            ``prefix`` (the longest matching prefix wins; ``""`` takes the rest) go to ``slot/file``
+            with the prefix cut off, so each file holds the keys the tool that reads it expects:
+            ``model.safetensors`` of a transformers model, ``adapter_model.safetensors`` of a PEFT
+            adapter, ``value_head.safetensors`` of a value head.
+        sidecars: small files written byte for byte beside them (``config.json``, tokenizer files,
+            ``adapter_config.json``, ...): what makes the folder loadable elsewhere. Resume never
+            reads them; the manifest hashes them like every other file.
+    """
+
+    parts: tuple[tuple[str, str], ...] = (("", "model.safetensors"),)
+    sidecars: Mapping[str, bytes] = field(default_factory=dict)
+
+    def files(self) -> list[str]:
+        """The weight files, in part order."""
+        return [file for _, file in self.parts]
+
+    def split(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+        """``{file: {key without prefix: tensor}}`` of a state dict."""
+        prefixes = sorted(self.parts, key=lambda part: -len(part[0]))
+        out: dict[str, dict[str, torch.Tensor]] = {file: {} for _, file in self.parts}
+        for key, tensor in state_dict.items():
+            prefix, file = next(((p, f) for p, f in prefixes if key.startswith(p)), (None, None))
+            if file is None:
+                raise ValueError(f"state-dict key {key!r} belongs to no part of the layout {self.parts}")
+            out[file][key[len(prefix):]] = tensor
+        return out
+
+
+PLAIN_LAYOUT = SlotLayout()  # the whole state dict in model.safetensors: format 2, and modules of unknown kind
+
+
+def _dedupe(state_dict: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Drop the aliases of tied tensors from ``state_dict`` in place, keeping the name that comes
+    first (a transformers model's input embedding, not its tied ``lm_head``: the name
+    ``save_pretrained`` keeps, which vLLM and other loaders look for). Returns ``{alias: kept}``."""
+    order = {name: i for i, name in enumerate(state_dict)}
+    groups = _remove_duplicate_names(state_dict)
+    firsts = [min([kept, *removed], key=order.__getitem__) for kept, removed in groups.items()]
+    aliases = {}
+    for kept, removed in _remove_duplicate_names(state_dict, preferred_names=firsts).items():
         for name in removed:
-            metadata = metadata or {}
-            metadata.setdefault(name, kept)
+            aliases[name] = kept
             del state_dict[name]
-    return state_dict, metadata
+    return aliases
+
+
+def _part_tensors(module: torch.nn.Module, layout: SlotLayout
+                  ) -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
+    """``{file: (tensors, metadata)}`` of a module's weights under ``layout``: tied tensors listed
+    once with their aliases in the metadata (read back by :func:`load_module`), and
+    ``format: pt`` as transformers writes it."""
+    out = {}
+    for file, tensors in layout.split(module.state_dict()).items():
+        out[file] = (tensors, {**_dedupe(tensors), "format": "pt"})
+    return out
 
 
 def snapshot(number: int, record: dict[str, Any], modules: Mapping[str, torch.nn.Module],
              optimizers: Mapping[str, torch.optim.Optimizer], rng_tensors: Mapping[str, torch.Tensor],
-             reuse: Optional[Snapshot] = None, data: Optional[Mapping[str, torch.Tensor]] = None) -> Snapshot:
+             reuse: Optional[Snapshot] = None, data: Optional[Mapping[str, torch.Tensor]] = None,
+             layouts: Optional[Mapping[str, SlotLayout]] = None) -> Snapshot:
     """Copy what checkpoint ``number`` will hold.
 
     Args:
         record: the JSON state (counters, config, ...); optimizer hyper-state is added here.
-        modules: ``{slot: module}``, e.g. ``{"agent-0": model}``; weights go to ``slot/model.safetensors``.
+        modules: ``{slot: module}``, e.g. ``{"agent-0": model}``; weights go to ``slot/`` as
+            ``layouts[slot]`` says (default :data:`PLAIN_LAYOUT`), with its side files.
         optimizers: ``{slot: optimizer}``; moments go to ``slot/optimizer.safetensors``.
         rng_tensors: generator states for ``rng.safetensors``.
         reuse: an earlier snapshot whose files are written (or abandoned); its tensors are
@@ -270,21 +337,24 @@ def snapshot(number: int, record: dict[str, Any], modules: Mapping[str, torch.nn
     old = reuse.files if reuse is not None else {}
     files: dict[str, tuple[dict[str, torch.Tensor], Optional[dict[str, str]]]] = {
         RNG_FILE: ({k: v.clone() for k, v in rng_tensors.items()}, None)}
+    sidecars: dict[str, bytes] = {}
     for slot, module in modules.items():
-        if not _SLOT.match(slot):
+        if not SLOT_NAME.match(slot):
             raise ValueError(f"bad checkpoint slot name {slot!r}")
-        weights, metadata = _model_tensors(module)
-        name = f"{slot}/model.safetensors"
-        files[name] = (_copies(weights, old.get(name, ({}, None))[0]), metadata)
+        layout = (layouts or {}).get(slot, PLAIN_LAYOUT)
+        for file, (weights, metadata) in _part_tensors(module, layout).items():
+            name = f"{slot}/{file}"
+            files[name] = (_copies(weights, old.get(name, ({}, None))[0]), metadata)
+        sidecars.update({f"{slot}/{name}": content for name, content in layout.sidecars.items()})
     if data is not None:
         files[DATA_FILE] = ({k: v.detach().to("cpu").contiguous().clone() for k, v in data.items()}, None)
     record["optimizers"] = {}
     for slot, optimizer in optimizers.items():
         meta, tensors = _split_optimizer_state(optimizer.state_dict())
-        name = f"{slot}/optimizer.safetensors"
+        name = f"{slot}/{OPTIMIZER_FILE}"
         files[name] = (_copies(tensors, old.get(name, ({}, None))[0]), None)
         record["optimizers"][slot] = json.loads(json.dumps(meta))
-    return Snapshot(number, record, files)
+    return Snapshot(number, record, files, sidecars)
 
 
 def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Optional[dict[str, str]]) -> None:
@@ -314,6 +384,11 @@ def write_checkpoint(directory: str | os.PathLike, snap: Snapshot, name: Optiona
             target.parent.mkdir(parents=True, exist_ok=True)
             _write_tensors(target, tensors, metadata)
             files[rel] = {"bytes": target.stat().st_size, "sha256": _sha256(target)}
+        for rel, content in snap.sidecars.items():
+            target = tmp / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+            files[rel] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
         state_bytes = json.dumps(snap.record, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
         (tmp / STATE_FILE).write_bytes(state_bytes)
         files[STATE_FILE] = {"bytes": len(state_bytes), "sha256": hashlib.sha256(state_bytes).hexdigest()}
@@ -345,15 +420,32 @@ def _loading(path: Path, what: str):
     return _Guard()
 
 
-def load_module(path: Path, slot: str, module: torch.nn.Module) -> None:
-    """Load ``slot/model.safetensors`` into ``module`` in place (strict: every tensor must fit)."""
+def load_module(path: Path, slot: str, module: torch.nn.Module, layout: SlotLayout = PLAIN_LAYOUT) -> None:
+    """Load ``slot/``'s weight files (``layout``'s parts) into ``module`` in place (strict: every
+    tensor must fit, none may be missing)."""
     with _loading(path, f"{slot} weights"):
-        device = next(module.parameters()).device
-        missing, unexpected = load_model(module, str(path / slot / "model.safetensors"), strict=False,
-                                         device=str(device))
+        device = str(next(module.parameters()).device)
+        state: dict[str, torch.Tensor] = {}
+        for prefix, file in layout.parts:
+            target = path / slot / file
+            tensors = load_file(str(target), device=device)
+            for alias, kept in _aliases(target).items():
+                if kept in tensors and alias not in tensors:
+                    tensors[alias] = tensors[kept]
+            state.update({prefix + key: value for key, value in tensors.items()})
+        missing, unexpected = module.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise CheckpointError(f"checkpoint {path}: {slot} weights do not fit the model (missing "
                                   f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}).")
+
+
+def _aliases(file: Path) -> dict[str, str]:
+    """``{alias: kept}`` of the tied tensors a weight file lists once (its metadata)."""
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    return {alias: kept for alias, kept in metadata.items() if alias != "format"}
 
 
 def load_optimizer(path: Path, slot: str, optimizer: torch.optim.Optimizer, meta: Any) -> None:
@@ -362,7 +454,7 @@ def load_optimizer(path: Path, slot: str, optimizer: torch.optim.Optimizer, meta
         if not isinstance(meta, dict) or not isinstance(meta.get("param_groups"), list) \
                 or not isinstance(meta.get("scalars"), dict):
             raise CheckpointError(f"checkpoint {path}: optimizers[{slot!r}] is malformed.")
-        tensors = load_file(str(path / slot / "optimizer.safetensors"))
+        tensors = load_file(str(path / slot / OPTIMIZER_FILE))
         optimizer.load_state_dict(_join_optimizer_state(meta, tensors))
 
 

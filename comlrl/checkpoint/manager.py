@@ -25,7 +25,7 @@ from .lock import DirectoryLock
 from .rng import capture_rng_state, restore_rng_state
 from .state import validate_state
 
-__all__ = ["CheckpointManager", "Slots", "latest_checkpoint", "read_checkpoint"]
+__all__ = ["CheckpointManager", "Slots", "latest_checkpoint", "read_checkpoint", "format_version"]
 
 logger = logging.getLogger("comlrl")
 
@@ -36,16 +36,24 @@ REUSE_SNAPSHOT_BYTES = 2 * 2**30
 
 class Slots:
     """The trained state of a run by checkpoint slot: ``modules[slot]``, ``optimizers[slot]``,
-    ``schedulers[slot]`` (e.g. ``"agent-0"``; actor-critic runs add ``"critic-0"``, ...)."""
+    ``schedulers[slot]`` (e.g. ``"agent-0"``; actor-critic runs add ``"critic-0"``, ...), and how
+    each module's folder is laid out (``layouts[slot]``, default :data:`files.PLAIN_LAYOUT`)."""
 
     def __init__(self, modules: Mapping[str, torch.nn.Module], optimizers: Mapping[str, torch.optim.Optimizer],
-                 schedulers: Mapping[str, Any], data: Optional[Mapping[str, torch.Tensor]] = None):
+                 schedulers: Mapping[str, Any], data: Optional[Mapping[str, torch.Tensor]] = None,
+                 layouts: Optional[Mapping[str, files.SlotLayout]] = None):
         self.modules, self.optimizers, self.schedulers = dict(modules), dict(optimizers), dict(schedulers)
         self.data = dict(data) if data is not None else None  # a family's tensors (algorithm.safetensors)
+        self.layouts = dict(layouts or {})
 
-    def expected_files(self) -> set[str]:
-        return ({files.RNG_FILE} | {f"{s}/model.safetensors" for s in self.modules}
-                | {f"{s}/optimizer.safetensors" for s in self.optimizers}
+    def layout(self, slot: str, version: int = files.FORMAT_VERSION) -> files.SlotLayout:
+        """How ``slot`` is laid out in a checkpoint of format ``version`` (2: always plain)."""
+        return self.layouts.get(slot, files.PLAIN_LAYOUT) if version >= 3 else files.PLAIN_LAYOUT
+
+    def expected_files(self, version: int = files.FORMAT_VERSION) -> set[str]:
+        """The files resume reads (side files such as config.json are not among them)."""
+        return ({files.RNG_FILE} | {f"{s}/{f}" for s in self.modules for f in self.layout(s, version).files()}
+                | {f"{s}/{files.OPTIMIZER_FILE}" for s in self.optimizers}
                 | ({files.DATA_FILE} if self.data is not None else set()))
 
 
@@ -64,6 +72,11 @@ def read_checkpoint(path: str | os.PathLike, expected: Optional[set[str]] = None
     path = Path(path)
     manifest = files.verify(path, expected)
     return validate_state(files.read_state(path), path, manifest["checkpoint"])
+
+
+def format_version(path: str | os.PathLike) -> int:
+    """The format version of checkpoint ``path`` (its manifest's, checked against its hash)."""
+    return files.read_manifest(path)["format_version"]
 
 
 def latest_checkpoint(directory: str | os.PathLike, run_id: Optional[str] = None) -> Optional[Path]:
@@ -184,7 +197,8 @@ class CheckpointManager:
         for rank, (_, tensors) in enumerate(rng_states[1:], start=1):
             rng_tensors.update({f"rank{rank}/{k}": v for k, v in tensors.items()})
         return files.snapshot(number, record, slots.modules, slots.optimizers, rng_tensors,
-                              reuse=self._last if self._pending is None else None, data=slots.data)
+                              reuse=self._last if self._pending is None else None, data=slots.data,
+                              layouts=slots.layouts)
 
     def write_named(self, target: Path, number: int, record: dict[str, Any], slots: Slots,
                     rng_states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> Path:
@@ -253,14 +267,15 @@ class CheckpointManager:
         differences = compare_fingerprints(saved_fingerprints(state), dict(fingerprints))
         if differences:
             raise ResumeMismatchError(str(path), differences)
-        files.verify_listing(path, slots.expected_files())
+        version = format_version(path)
+        files.verify_listing(path, slots.expected_files(version), side_folders=slots.modules if version >= 3 else ())
         if set(state["optimizers"]) != set(slots.optimizers) or set(state["schedulers"]) != set(slots.schedulers):
             raise CheckpointError(f"checkpoint {path}: its optimizer / scheduler slots "
                                   f"{sorted(state['optimizers'])} do not match this trainer's {sorted(slots.optimizers)}.")
         if slots.data is not None:  # read (and checked) before any live state changes
             state["data"] = files.load_tensors(path, files.DATA_FILE)
         for slot, module in slots.modules.items():
-            files.load_module(path, slot, module)
+            files.load_module(path, slot, module, slots.layout(slot, version))
         for slot, optimizer in slots.optimizers.items():
             expected = _hyper(optimizer)
             files.load_optimizer(path, slot, optimizer, state["optimizers"][slot])

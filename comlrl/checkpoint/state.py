@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..exceptions import CheckpointError
+from .files import SLOT_NAME
 from ..tracking.trackers import check_tracker_identities
 from ..tracking.wandb import check_identity
 
@@ -87,7 +88,25 @@ def validate_state(state: dict[str, Any], path: Path, number: int) -> dict[str, 
     state["wandb"] = check_identity(state.get("wandb"), f"checkpoint {path}")
     state["trackers"] = check_tracker_identities(state.get("trackers"), f"checkpoint {path}")
     state["launch"] = _check_launch(state.get("launch"), path)
+    state["folders"] = _check_folders(state.get("folders"), path)
     return state
+
+
+_FOLDER = re.compile(r"^[A-Za-z0-9_-]+(/[A-Za-z0-9_-]+)*$")  # relative, no '.', '..' or empty segment
+
+
+def _check_folders(folders: Any, path: Path) -> dict[str, str]:
+    """``{slot: export folder}`` (``{}`` when a checkpoint predates it): names a path inside the
+    export directory, never outside it."""
+    if folders is None:
+        return {}
+    if not _is_dict(folders) or not all(isinstance(k, str) and SLOT_NAME.match(k) and isinstance(v, str)
+                                        and _FOLDER.match(v) and len(v) < 200 for k, v in folders.items()):
+        raise CheckpointError(f"checkpoint {path}: 'folders' must map slot names to relative folder names, got "
+                              f"{folders!r:.80}.")
+    if len(set(folders.values())) != len(folders):
+        raise CheckpointError(f"checkpoint {path}: 'folders' names one folder twice.")
+    return dict(folders)
 
 
 def _check_launch(launch: Any, path: Path) -> Any:

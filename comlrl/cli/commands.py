@@ -137,6 +137,7 @@ _EXPORT_USAGE = "comlrl export CHECKPOINT OUT [--config CONFIG.yaml] [--merge] [
 
 def export(argv: Sequence[str]) -> int:
     """``comlrl export CHECKPOINT OUT [--config CONFIG.yaml] [--merge]``."""
+    from ..checkpoint.export import export_checkpoint, exportable
     from ..utils import read_checkpoint_metadata
 
     ns, doc, entry = parse_run_args(argv, "comlrl export", _EXPORT_USAGE,
@@ -150,6 +151,18 @@ def export(argv: Sequence[str]) -> int:
         meta = read_checkpoint_metadata(checkpoint)
     except CheckpointError as exc:
         raise CliError(str(exc)) from None
+    if not ns.config and exportable(checkpoint):
+        if doc.data:
+            raise CliError(f"{checkpoint} holds its model folders, which export copies as they are: flags such as "
+                           f"{', '.join(sorted(map(str, doc.data.get('trainer', doc.data))))} have nothing to change. "
+                           "Drop them, or pass --config CONFIG.yaml to rebuild the trainer.")
+        try:
+            folders = export_checkpoint(checkpoint, ns.out, merge=ns.merge)
+        except ComlrlError as exc:
+            raise CliError(str(exc)) from None
+        _say(f"comlrl: exported {checkpoint.name} (epoch {meta['epoch']}, env_step {meta['env_step']}) to "
+             f"{ns.out}: {', '.join(folders)}")
+        return 0
     if not ns.config:
         doc = recorded_document(checkpoint, meta, doc)
     spec = check_run(doc, entry)

@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
-import uuid
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 
-from .._io import fsync_tree, move_into_place
+from ..checkpoint.export import write_export
 from ..checkpoint.fingerprint import (callable_fingerprint, dataset_fingerprint, model_fingerprint,
                                       tokenizer_fingerprint)
-from ..checkpoint.manager import CheckpointManager
+from ..checkpoint.manager import CheckpointManager, Slots
 from ..exceptions import ConfigError, TrainingError
 from . import distributed as dist
 from .config import resumable_fields
+from .layouts import module_layout, slot_index
 from .state import TrainState
 
 __all__ = ["Persistence"]
@@ -82,7 +80,30 @@ class Persistence:
                 "log_window": self.state.window.to_dict(), "num_train_epochs": self.args.num_train_epochs,
                 "wandb": self.wandb_identity, "trackers": dict(self.tracker_identities), "config": self.args.to_dict(),
                 "fingerprints": self._fingerprints(), "comlrl_version": __version__, "launch": self.launch_config,
-                "algorithm": self._algorithm_state()}
+                "algorithm": self._algorithm_state(), "folders": self._export_folders()}
+
+    def _export_folders(self) -> dict[str, str]:
+        """``{slot: folder}``: where ``save_model`` puts each exported module (``agent-0`` ->
+        ``agent_0``, an IAC critic ``critic-0`` -> ``agent_0/critic``), kept in every checkpoint so
+        that ``comlrl export`` needs nothing but the checkpoint."""
+        by_module = {id(m): slot for slot, m in self._slots().modules.items()}
+        return {by_module[id(m)]: folder for folder, m, _ in self._exported() if id(m) in by_module}
+
+    def _saved_slots(self) -> Slots:
+        """:meth:`_slots` with each module's folder layout (:mod:`comlrl.engine.layouts`); side
+        files are built once per module and kept with it."""
+        slots = self._slots()
+        cache = self.__dict__.setdefault("_layout_cache", {})
+        for slot, module in slots.modules.items():
+            if (slot, id(module)) not in cache:  # the module is kept alive beside its layout: ids stay its own
+                cache[(slot, id(module))] = (module, module_layout(module, self._slot_tokenizer(slot)))
+            slots.layouts[slot] = cache[(slot, id(module))][1]
+        return slots
+
+    def _slot_tokenizer(self, slot: str) -> Any:
+        """The tokenizer saved in a slot's folder: agent i's for ``<kind>-i``, else the first agent's."""
+        index = slot_index(slot)
+        return self.tokenizers[index] if index is not None and index < len(self.tokenizers) else self.tokenizers[0]
 
     def _algorithm_state(self) -> dict[str, Any]:
         """Family-specific JSON state to save (e.g. a phase of a multi-phase algorithm)."""
@@ -98,7 +119,7 @@ class Persistence:
         self.state.checkpoint = number
         rng_states = dist.gather_objects(CheckpointManager.capture_rng(), self.dist)
         return dist.main_process_first_result(
-            lambda: self.checkpoints.save(number, self._record(), self._slots(), rng_states, limit, self.run_id),
+            lambda: self.checkpoints.save(number, self._record(), self._saved_slots(), rng_states, limit, self.run_id),
             self.dist)
 
     def _settle_checkpoint(self) -> None:
@@ -127,7 +148,7 @@ class Persistence:
         def checked(fingerprints: dict[str, Any]) -> dict[str, Any]:
             return {k: v for k, v in fingerprints.items() if k not in unchecked}
 
-        state = self.checkpoints.load(path, self._slots(), checked(self._fingerprints()), rank=self.dist.rank,
+        state = self.checkpoints.load(path, self._saved_slots(), checked(self._fingerprints()), rank=self.dist.rank,
                                       saved_fingerprints=lambda s: checked(s["fingerprints"]))
         if state["world_size"] != self.dist.world_size and self.dist.is_main:
             logger.warning("comlrl: %s was written by %d process(es) and resumes on %d: the run continues within "
@@ -153,7 +174,8 @@ class Persistence:
         self._check_finite_weights(number)
         rng_states = dist.gather_objects(CheckpointManager.capture_rng(), self.dist)
         return dist.main_process_first_result(
-            lambda: str(self.checkpoints.write_named(target, number, self._record(), self._slots(), rng_states)),
+            lambda: str(self.checkpoints.write_named(target, number, self._record(), self._saved_slots(),
+                                                     rng_states)),
             self.dist)
 
     def load_checkpoint(self, checkpoint: Union[str, os.PathLike]) -> dict[str, int]:
@@ -194,13 +216,7 @@ def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]]
     from ..adapters import AdapterAgent
     from ..models.actor_critic import unwrap_policy
 
-    if target.exists() and (not target.is_dir() or any(not re.fullmatch(r"agent_\d+|critic(_\d+)?", p.name)
-                                                       for p in target.iterdir())):
-        raise ConfigError(f"save_model: {target} exists and holds more than agent_* / critic folders (metrics, "
-                          "checkpoints?); nothing was written. Choose an empty or new directory.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
-    try:
+    def fill(tmp: Path) -> None:
         for folder, model, tokenizer in exported:
             if isinstance(unwrap_policy(model), AdapterAgent):
                 model.save_pretrained(tmp / folder, merged=merge_adapters)
@@ -208,9 +224,6 @@ def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]]
                 model.save_pretrained(tmp / folder)
             if hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(tmp / folder)
-        fsync_tree(tmp)
-        move_into_place(tmp, target)  # replaces an earlier save_model only after the new one is whole
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_export(target, fill, origin="save_model")  # replaces only an earlier export, once the new one is whole
     return target

@@ -184,9 +184,20 @@ class CausalLMWithValueHead(torch.nn.Module):
             state = {k: v.detach().to("cpu").contiguous() for k, v in self.value_head.state_dict().items()}
             save_file(state, str(directory / VALUE_HEAD_FILE))
             torch.save(state, directory / _LEGACY_HEAD_FILE)
-            (directory / VALUE_HEAD_CONFIG).write_text(json.dumps(
-                {"input_dim": self.value_head.input_dim, "hidden_dim": self.value_head.hidden_dim}) + "\n")
+            (directory / VALUE_HEAD_CONFIG).write_bytes(self._head_config())
         return directory
+
+    def _head_config(self) -> bytes:
+        return (json.dumps({"input_dim": self.value_head.input_dim, "hidden_dim": self.value_head.hidden_dim})
+                + "\n").encode("utf-8")
+
+    def checkpoint_parts(self) -> dict[str, torch.nn.Module]:
+        """How a checkpoint stores it (:mod:`comlrl.engine.layouts`): the backbone as a model
+        folder and the head beside it, the files :meth:`from_pretrained` reads."""
+        return {"model": self.model, **({"value_head": self.value_head} if self.value_head is not None else {})}
+
+    def checkpoint_sidecars(self) -> dict[str, bytes]:
+        return {VALUE_HEAD_CONFIG: self._head_config()} if self.value_head is not None else {}
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, **kwargs: Any) -> "CausalLMWithValueHead":

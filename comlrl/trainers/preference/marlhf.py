@@ -81,6 +81,10 @@ class JointRewardModel(torch.nn.Module):
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return self.reward_head(hidden[rows, last.to(hidden.device)].to(self.reward_head.weight.dtype)).squeeze(-1)
 
+    def checkpoint_parts(self) -> dict[str, torch.nn.Module]:
+        """How a checkpoint stores it: the backbone as a model folder, ``reward_head.safetensors`` beside it."""
+        return {"backbone": self.backbone, "reward_head": self.reward_head}
+
 
 def joint_reward_text(prompts: Sequence[str], completions: Sequence[str]) -> str:
     """What the reward model reads of a joint answer (CoMLRL's layout, agents numbered from 1)."""

@@ -1,0 +1,191 @@
+"""Model folders out of a checkpoint, from the checkpoint alone; and the export directory rule.
+
+Since format 3 every trained module's folder of a checkpoint is already what ``from_pretrained``,
+PEFT or ``CausalLMWithValueHead.from_pretrained`` loads (:mod:`comlrl.engine.layouts`), and the
+checkpoint records where ``save_model`` puts each one (``folders``: ``agent-0`` -> ``agent_0``, an
+IAC critic -> ``agent_0/critic``). :func:`export_checkpoint` therefore needs no trainer, no config
+and no reward: it verifies the checkpoint, copies each folder's files except the optimizer state,
+and with ``merge=True`` merges LoRA adapters into their base (which must be the run's, checked by
+fingerprint).
+
+An export directory is only ever replaced when comlrl wrote it: :func:`write_export` leaves
+:data:`MARKER` listing what it wrote, and refuses a directory holding anything else (the user's
+own ``agent_0/``, a run directory, ``.``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .._io import fsync_tree, move_into_place
+from ..exceptions import CheckpointError, ConfigError
+from . import files
+from .state import validate_state
+
+__all__ = ["export_checkpoint", "write_export", "check_export_target", "MARKER", "exportable"]
+
+MARKER = "comlrl_export.json"
+_SKIPPED = {files.OPTIMIZER_FILE}  # training state, not part of a model folder
+_ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
+
+
+def exportable(path: str | os.PathLike) -> bool:
+    """Whether checkpoint ``path`` records its export folders (written by this comlrl or later)."""
+    try:
+        return bool(validate_state(files.read_state(path), Path(path), files.read_manifest(path)["checkpoint"])
+                    ["folders"])
+    except CheckpointError:
+        return False
+
+
+def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, merge: bool = False,
+                      base_loader: Optional[Callable[[str], Any]] = None) -> list[str]:
+    """Write every exported module of ``checkpoint`` as a model folder under ``out`` (``agent_0``,
+    ``agent_1``, ..., critics where the trainer's ``save_model`` puts them) and return the folder
+    names.
+
+    Args:
+        checkpoint: a ``checkpoint-N`` directory written by comlrl (format 3 or later).
+        out: the export directory: new, empty, or an earlier export (see :func:`write_export`).
+        merge: LoRA agents as plain models (the adapter merged into its base) instead of PEFT
+            adapter folders. The base is loaded from the adapter's ``base_model_name_or_path``
+            (``base_loader(name)``, default ``AutoModelForCausalLM.from_pretrained``) and must be
+            the run's base (its fingerprint is checked).
+    Raises:
+        CheckpointError: the checkpoint does not verify, or predates recorded export folders (use
+            ``comlrl export --config`` / ``trainer.save_model`` for those).
+        ConfigError: ``out`` holds files export did not write, or a merge's base is not the run's.
+    """
+    source = Path(checkpoint)
+    manifest = files.verify(source)
+    state = validate_state(files.read_state(source), source, manifest["checkpoint"])
+    folders = state["folders"]
+    if not folders:
+        raise CheckpointError(f"{source} does not record its export folders (written before comlrl stored them); "
+                              "export it with `comlrl export CHECKPOINT OUT --config CONFIG.yaml` or "
+                              "trainer.load_checkpoint(...) + trainer.save_model(OUT).")
+    listed = manifest["files"]
+
+    def fill(tmp: Path) -> None:
+        for slot, folder in sorted(folders.items(), key=lambda item: item[1].count("/")):  # parents first
+            names = sorted(rel.split("/", 1)[1] for rel in listed if rel.startswith(slot + "/"))
+            target = tmp / folder
+            target.mkdir(parents=True, exist_ok=True)
+            for name in names:
+                if name not in _SKIPPED:
+                    _copy_verified(source / slot / name, target / name, listed[f"{slot}/{name}"])
+            if merge and _ADAPTER_FILES <= set(names):
+                _merge_adapter(target, slot, state["fingerprints"], base_loader)
+
+    return write_export(Path(out), fill, origin=str(source.resolve()))
+
+
+def _copy_verified(src: Path, dst: Path, info: dict[str, Any]) -> None:
+    """Copy ``src`` and check the copy's bytes against the manifest (the source may change
+    between the verification and the copy)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src, dst, follow_symlinks=False)
+    digest = hashlib.sha256()
+    with open(dst, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    if dst.stat().st_size != info["bytes"] or digest.hexdigest() != info["sha256"]:
+        raise CheckpointError(f"{src} changed while it was exported (its sha256 no longer matches the manifest); "
+                              "nothing was written.")
+
+
+def _merge_adapter(folder: Path, slot: str, fingerprints: dict[str, Any],
+                   base_loader: Optional[Callable[[str], Any]]) -> None:
+    """Replace a PEFT adapter folder by the plain model it makes with its base."""
+    from .fingerprint import base_fingerprint
+
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("merging a LoRA agent needs peft: pip install 'comlrl[peft]' (or export without "
+                          "--merge: the adapter folder needs no peft to be written).") from None
+    config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    name = config.get("base_model_name_or_path")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{slot}: its adapter_config.json names no base model, so --merge cannot find it; export "
+                          "the adapter folder (without --merge) and merge it with PEFT yourself.")
+    if base_loader is None:
+        from transformers import AutoModelForCausalLM
+
+        def base_loader(base_name: str) -> Any:
+            return AutoModelForCausalLM.from_pretrained(base_name, trust_remote_code=False)
+
+    base = base_loader(name)
+    expected = _base_record(fingerprints, slot)
+    if expected is not None and base_fingerprint(base) != expected:
+        raise ConfigError(f"{slot}: the base model at {name!r} is not the one the run trained on (its fingerprint "
+                          "differs); --merge needs the run's base. Export without --merge to get the adapter.")
+    merged = peft.PeftModel.from_pretrained(base, str(folder)).merge_and_unload()
+    for adapter_file in _ADAPTER_FILES:
+        (folder / adapter_file).unlink()
+    merged.save_pretrained(folder)
+
+
+def _base_record(fingerprints: dict[str, Any], slot: str) -> Optional[dict[str, Any]]:
+    """The recorded fingerprint of the base of LoRA agent ``agent-i`` (None for other slots)."""
+    bases = fingerprints.get("lora_bases") or (fingerprints.get("online") or {}).get("lora_bases")
+    kind, _, index = slot.rpartition("-")
+    if kind != "agent" or not isinstance(bases, list) or not index.isdigit() or int(index) >= len(bases):
+        return None
+    return bases[int(index)]
+
+
+# --- the export directory -----------------------------------------------------------------------
+
+def _written_by_export(target: Path) -> bool:
+    """Whether ``target`` holds exactly what an earlier export listed in its marker."""
+    marker = target / MARKER
+    try:
+        record = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    listed = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(listed, list):
+        return False
+    present = {p.relative_to(target).as_posix() for p in target.rglob("*") if not p.is_dir() or p.is_symlink()}
+    return present == set(listed) | {MARKER}
+
+
+def check_export_target(target: Path) -> None:
+    """Refuse an export directory that holds anything comlrl did not write there."""
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise ConfigError(f"{target} exists and is not a directory (or is a symlink); nothing was written. Choose a "
+                          "new directory for the export.")
+    if target.is_dir() and any(target.iterdir()) and not _written_by_export(target):
+        found = sorted(p.name for p in target.iterdir())[:5]
+        raise ConfigError(f"{target} already holds files export did not write ({', '.join(found)}); nothing was "
+                          "written or removed. Choose a new or empty directory.")
+
+
+def write_export(target: Path, fill: Callable[[Path], None], origin: str) -> list[str]:
+    """Build an export in a hidden sibling of ``target`` (``fill(tmp)`` writes it), record what
+    it holds in :data:`MARKER`, then put it in place of ``target``, which must be new, empty, or
+    an earlier export. Returns the top-level folders written."""
+    target = Path(target)
+    check_export_target(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        written = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
+        (tmp / MARKER).write_text(json.dumps({"written_by": "comlrl export", "source": origin, "files": written},
+                                             indent=1) + "\n", encoding="utf-8")
+        fsync_tree(tmp)
+        check_export_target(target)  # again: nothing of the user's appeared meanwhile
+        move_into_place(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return sorted(p.name for p in target.iterdir() if p.is_dir())
