@@ -30,6 +30,7 @@ import contextlib
 import copy
 import os
 import tempfile
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -84,7 +85,8 @@ def build_lora_agents(base: torch.nn.Module, peft_config: Any, num_agents: int) 
     _check_peft_config(peft, peft_config)
     names = [f"agent_{i}" for i in range(num_agents)]
     try:
-        shared = peft.get_peft_model(base, copy.deepcopy(peft_config), adapter_name=names[0])
+        with _quiet_peft():
+            shared = peft.get_peft_model(base, copy.deepcopy(peft_config), adapter_name=names[0])
     except ValueError as exc:
         if type(exc).__name__ == "NoMatchingPeftModuleError" or "not found in the base model" in str(exc):
             raise ConfigError(_no_match_message(base, peft_config)) from exc
@@ -94,6 +96,15 @@ def build_lora_agents(base: torch.nn.Module, peft_config: Any, num_agents: int) 
     agents = [AdapterAgent(shared, name) for name in names]
     _group(shared).activate(shared, names[0])
     return agents
+
+
+@contextlib.contextmanager
+def _quiet_peft() -> Iterator[None]:
+    """peft (0.21) reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps a
+    model: a FutureWarning about peft's code that users can do nothing about."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
 
 
 def add_adapters(shared: torch.nn.Module, peft_config: Any, names: list[str]) -> list["AdapterAgent"]:

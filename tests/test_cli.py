@@ -51,7 +51,24 @@ def test_train_writes_checkpoints_and_metrics(seed_run):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert rows and rows[-1]["epoch"] == 2
     assert "MAGRPO trained to epoch 2" in result.stdout
+    assert "logged to wandb (offline)" in result.stdout  # the config asks W&B for offline mode
     assert "Traceback" not in result.stderr
+
+
+def test_a_closed_pipe_ends_a_command_quietly(seed_run, monkeypatch, capsys):
+    """`comlrl checkpoints DIR --json | head -1`: the reader went away; no traceback."""
+    _, run, _ = seed_run
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(["checkpoints", str(run), "--json"]) == 141
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_checkpoints_table(seed_run):
@@ -359,9 +376,25 @@ def test_errors_in_process(tmp_path, capsys):
 def test_an_existing_run_is_not_overwritten_without_resume(seed_run, tmp_path):
     _, run, _ = seed_run
     shutil.copytree(run, tmp_path / "runs" / "seed")
-    line = one_line_error(comlrl("train", str(SEED), *FAST, "--checkpoint_dir", "runs/seed",
-                                 "--trainer.wandb_config", "null", cwd=tmp_path, expect=2))
-    assert "already holds checkpoint-1" in line and "--resume auto" in line
+    result = comlrl("train", str(SEED), *FAST, "--checkpoint_dir", "runs/seed", "--trainer.wandb_config", "null",
+                    cwd=tmp_path, expect=2)
+    line = one_line_error(result)
+    assert "already holds checkpoint-1" in line and "--resume auto" in line and "nothing was loaded" in line
+    assert "resume_from_checkpoint=" not in line  # the command line's advice, not the Python API's
+    assert "Loading weights" not in result.stderr  # refused before any model is loaded
+
+
+def test_a_refused_resume_lists_each_difference_and_starts_no_tracker(seed_run, tmp_path):
+    work, run, _ = seed_run
+    copy = tmp_path / "runs" / "seed"
+    shutil.copytree(run, copy)
+    before = {p.name for p in (work / "wb").rglob("offline-run-*")}
+    result = comlrl("train", str(SEED), *FAST, "--checkpoint_dir", "runs/seed", *wandb_flags(work), "--resume",
+                    "auto", "--agent_learning_rate", "0.5", "--top_k", "7", cwd=tmp_path, expect=2)
+    errors = result.stderr[result.stderr.index("comlrl train: error"):].splitlines()
+    assert any("agent_learning_rate" in line for line in errors[1:]) and any("top_k" in line for line in errors[1:])
+    assert "continuing W&B run" not in result.stdout
+    assert {p.name for p in (work / "wb").rglob("offline-run-*")} == before  # no W&B run was started
 
 
 # --- the parts ------------------------------------------------------------------------------------

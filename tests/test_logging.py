@@ -61,8 +61,14 @@ def test_no_credentials_means_offline(monkeypatch, tmp_path):
             pass
 
     monkeypatch.setattr(wandb, "init", lambda **kwargs: seen.setdefault("init", kwargs) and Run())
+    Run.log = lambda self, row, step: seen.setdefault("rows", []).append(step)
     WandbSink({"project": "p"}, {}).close()
+    assert "init" not in seen  # nothing logged: no (empty) W&B run is started
+    sink = WandbSink({"project": "p"}, {})
+    sink.log({"train/reward_mean": 0.5}, step=4)
+    sink.close()
     assert seen["login"] == {"prompt": False, "verify": False} and seen["init"]["mode"] == "offline"
+    assert seen["rows"] == [4] and sink.note() == "offline" and len(seen["init"]["id"]) == 8  # chosen up front
 
 
 def test_comlrl_wandb_config_sections():

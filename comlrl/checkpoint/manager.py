@@ -25,7 +25,8 @@ from .lock import DirectoryLock
 from .rng import capture_rng_state, restore_rng_state
 from .state import validate_state
 
-__all__ = ["CheckpointManager", "Slots", "latest_checkpoint", "read_checkpoint", "format_version"]
+__all__ = ["CheckpointManager", "Slots", "latest_checkpoint", "read_checkpoint", "format_version",
+           "checkpoint_state"]
 
 logger = logging.getLogger("comlrl")
 
@@ -93,11 +94,17 @@ def latest_checkpoint(directory: str | os.PathLike, run_id: Optional[str] = None
     return None
 
 
+def checkpoint_state(path: str | os.PathLike) -> dict[str, Any]:
+    """The validated state of checkpoint ``path`` from its manifest and state file alone (no
+    tensor file is hashed): quick, for decisions before a full :meth:`CheckpointManager.load`."""
+    path = Path(path)
+    return validate_state(files.read_state(path), path, files.read_manifest(path)["checkpoint"])
+
+
 def _state_of(path: Path) -> Optional[dict[str, Any]]:
-    """The validated state of ``path`` from its manifest and state file alone (no tensor hashing),
-    or None if those do not verify."""
+    """:func:`checkpoint_state`, or None if it does not verify."""
     try:
-        return validate_state(files.read_state(path), path, files.read_manifest(path)["checkpoint"])
+        return checkpoint_state(path)
     except CheckpointError:
         return None
 

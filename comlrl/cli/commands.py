@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from ..exceptions import CheckpointDirError, CheckpointError, ComlrlError, ResumeMismatchError
+from ..exceptions import CheckpointError, ComlrlError, ResumeMismatchError
 from .launch import launch_record, recorded_document, recorded_trainer
 from .registry import available_trainers
 from .build import build_trainer
@@ -44,14 +44,16 @@ def train(argv: Sequence[str]) -> int:
     spec = check_run(doc, entry)
     options = {k: v for k, v in spec.train_values.items() if k not in TRAIN_EXTRAS}
     checkpoint = _resume_target(spec, options.pop("resume_from_checkpoint", None), options.get("checkpoint_dir"))
+    if checkpoint is None:
+        _refuse_a_used_directory(spec, options.get("checkpoint_dir"))  # before any model is loaded
     wandb_config = spec.trainer_values.get("wandb_config")
+    identity = None
     if checkpoint is not None:
         from ..utils import read_checkpoint_metadata
 
         identity = read_checkpoint_metadata(checkpoint)["wandb"]
         if identity and wandb_config is not None:  # the same W&B run (the README's resume recipe)
             wandb_config = {**wandb_config, **identity, "resume": "allow"}
-            _say(f"comlrl: continuing W&B run {identity['id']}")
     try:
         trainer = build_trainer(spec, wandb_config=wandb_config)
     except ComlrlError as exc:
@@ -59,10 +61,11 @@ def train(argv: Sequence[str]) -> int:
     trainer.launch_config = launch_record(spec)  # in every checkpoint: `comlrl export` needs no --config
     with trainer:
         try:
+            if checkpoint is not None:
+                trainer.check_resumable(checkpoint)  # a refused resume starts no tracker and says nothing more
+                if identity and wandb_config is not None:
+                    _say(f"comlrl: continuing W&B run {identity['id']}")
             metrics = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None, **options)
-        except CheckpointDirError as exc:
-            raise CliError(f"{locate_error(spec, exc)} (comlrl train: pass --resume auto to continue the run "
-                           "there)") from None
         except ComlrlError as exc:
             raise CliError(locate_error(spec, exc)) from None
         save_to = spec.train_values.get("save_model")
@@ -70,6 +73,19 @@ def train(argv: Sequence[str]) -> int:
             trainer.save_model(save_to, merge_adapters=bool(spec.train_values.get("merge_adapters", False)))
         _report(spec, trainer, metrics or {}, options, save_to)
     return 0
+
+
+def _refuse_a_used_directory(spec: RunSpec, checkpoint_dir: Any) -> None:
+    """A new run refuses a checkpoint_dir that already holds checkpoints, with the command line's
+    advice, before loading anything (train() would refuse it too, once the models are loaded)."""
+    if not checkpoint_dir or not Path(checkpoint_dir).is_dir():
+        return
+    found = sorted(p.name for p in Path(checkpoint_dir).iterdir() if re.fullmatch(r"checkpoint-\d+", p.name))
+    if found:
+        where = spec.doc.where(("train", "checkpoint_dir"))
+        raise CliError(f"{where}: {checkpoint_dir} already holds {', '.join(found[:3])}"
+                       f"{' ...' if len(found) > 3 else ''} of an earlier run; nothing was loaded or touched. Pass "
+                       "--resume auto to continue that run, or set --checkpoint_dir to a new directory.")
 
 
 def _resume_target(spec: RunSpec, resume: Any, checkpoint_dir: Any) -> Optional[Path]:
@@ -107,8 +123,10 @@ def _report(spec: RunSpec, trainer: Any, metrics: dict[str, Any], options: dict[
     directory = options.get("checkpoint_dir")
     folder = Path(directory) if directory else Path(trainer.args.output_dir)
     trackers = active_trackers(trainer.args.report_to, trainer.wandb_config)
+    notes = getattr(trainer, "tracker_notes", {})
     where = [f"metrics in {folder / 'metrics.jsonl'}"] if "jsonl" in trackers else []
-    where += [f"logged to {', '.join(t for t in trackers if t != 'jsonl')}"] if set(trackers) - {"jsonl"} else []
+    others = [t + (f" ({notes[t]})" if notes.get(t) else "") for t in trackers if t != "jsonl"]
+    where += [f"logged to {', '.join(others)}"] if others else []
     if directory:
         from ..checkpoint.files import list_checkpoints
 

@@ -42,6 +42,21 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ProgressSafeHandler(logging.StreamHandler):
+    """Log lines on stderr above a running progress bar instead of appended to its line."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:  # noqa: BLE001 - logging must never raise
+            self.handleError(record)
+
+
 @contextlib.contextmanager
 def _library_log_lines() -> Iterator[None]:
     """The library's INFO lines (resumed at epoch ..., checkpoint saved ...) on stderr while a
@@ -50,7 +65,7 @@ def _library_log_lines() -> Iterator[None]:
     if logger.handlers:  # the embedding program configured it
         yield
         return
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _ProgressSafeHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     level = logger.level
     logger.addHandler(handler)
@@ -81,9 +96,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (CliError, ComlrlError) as exc:
         if os.environ.get("COMLRL_DEBUG"):
             raise
-        message = " ".join(str(exc).split()) or type(exc).__name__
-        print(f"comlrl {argv[0]}: error: {message}", file=sys.stderr)
+        print(f"comlrl {argv[0]}: error: {_error_text(exc)}", file=sys.stderr)
         return USER_ERROR
     except KeyboardInterrupt:
         print(f"comlrl {argv[0]}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `comlrl checkpoints DIR --json | head -3`: the reader has all it wanted
+        try:  # Python's own flush of stdout at exit must not fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):
+            pass
+        return 141  # as a process killed by SIGPIPE
+
+
+def _error_text(exc: BaseException) -> str:
+    """The error's message, each of its lines with its spaces collapsed and the following lines
+    indented (a resume mismatch lists one difference per line)."""
+    lines = [" ".join(line.split()) for line in str(exc).splitlines()]
+    lines = [line for line in lines if line]
+    return "\n  ".join(lines) or type(exc).__name__

@@ -129,7 +129,18 @@ def options_for(entry: TrainerEntry, extra: Sequence[Option] = (), train_section
     return options
 
 
-def _add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> dict[str, Option]:
+def _config_value(data: Any, key: Key) -> tuple[bool, Any]:
+    """``(True, value)`` when the config ``data`` sets ``key``, else ``(False, None)``."""
+    for part in key:
+        if not isinstance(data, dict) or part not in data:
+            return False, None
+        data = data[part]
+    return True, data
+
+
+def _add_options(parser: argparse.ArgumentParser, options: Sequence[Option], config: Any = None) -> dict[str, Option]:
+    """The flags of ``options``; with a ``config`` (its data), each help text says the value the
+    config sets, which is what a run without that flag gets."""
     group = parser.add_argument_group("config keys (each also a YAML key; dotted paths such as "
                                       "--trainer.train_dataset.split set any other key)")
     by_dest = {}
@@ -138,7 +149,11 @@ def _add_options(parser: argparse.ArgumentParser, options: Sequence[Option]) -> 
             continue
         dest = f"_opt{index}"
         by_dest[dest] = option
-        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": option.help.replace("%", "%%"),
+        text = option.help
+        found, value = _config_value(config, option.key)
+        if found:
+            text = f"{text} [this config: {value!r:.60}]"
+        kwargs: dict[str, Any] = {"dest": dest, "default": argparse.SUPPRESS, "help": text.replace("%", "%%"),
                                   "metavar": "BOOL" if option.boolean else "VALUE"}
         if option.boolean:
             kwargs.update(nargs="?", const="true")
@@ -186,7 +201,7 @@ def parse_run_args(argv: Sequence[str], prog: str, usage: str, description: str,
         epilog=f"Flags listed for trainer {entry.name} ({entry.config.__name__}); pass a config or --trainer NAME "
                "for another trainer's. A flag's value is read as YAML: 8, 1e-3, null, [a, b].")
     add_fixed(parser)
-    by_dest = _add_options(parser, options_for(entry, train_section=train_section))
+    by_dest = _add_options(parser, options_for(entry, train_section=train_section), doc.data)
     if known._help:
         parser.print_help()
         raise SystemExit(0)
@@ -368,8 +383,9 @@ def _mentioned(message: str, keys: Sequence[Key]) -> Optional[Key]:
 
 
 def locate_error(spec: RunSpec, exc: BaseException) -> str:
-    """An error from building or training the trainer, with the key it names if it names one."""
-    message = _one_line(str(exc))
+    """An error from building or training the trainer, with the key it names if it names one (a
+    message of several lines, such as a resume mismatch's list of differences, keeps its lines)."""
+    message = str(exc).strip()
     keys = ([("trainer", "args", k) for k in _mapping(spec.doc, (), spec.doc.data.get("trainer", {})).get("args") or {}]
             + [("trainer", k) for k in spec.trainer_values] + [("train", k) for k in spec.train_values]
             + [("trainer", "args", f.name) for f in dataclasses.fields(spec.entry.config)])

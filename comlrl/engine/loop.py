@@ -82,6 +82,8 @@ class RunLoop:
         (otherwise training's own error is the one to see)."""
         first: Optional[BaseException] = None
         trackers, self.trackers = self.trackers, []
+        # How each tracker logged (W&B: "offline"), for the summary of a command line
+        self.t.tracker_notes = {tr.name: str(getattr(tr, "note", lambda: "")()) for tr in trackers}
         for tracker in trackers:
             try:
                 tracker.close(success=success)

@@ -11,10 +11,10 @@ from typing import Any, Optional, Union
 import torch
 
 from ..checkpoint.export import write_export
-from ..checkpoint.fingerprint import (callable_fingerprint, dataset_fingerprint, model_fingerprint,
-                                      tokenizer_fingerprint)
-from ..checkpoint.manager import CheckpointManager, Slots
-from ..exceptions import ConfigError, TrainingError
+from ..checkpoint.fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint,
+                                      model_fingerprint, tokenizer_fingerprint)
+from ..checkpoint.manager import CheckpointManager, Slots, checkpoint_state
+from ..exceptions import ConfigError, ResumeMismatchError, TrainingError
 from . import distributed as dist
 from .config import resumable_fields
 from .layouts import module_layout, slot_index
@@ -163,6 +163,20 @@ class Persistence:
         self._load_algorithm_state(state["algorithm"], state.get("data"))
         logger.info("comlrl: resumed %s at epoch %d, env_step %d", path, self.state.epoch, self.state.env_step)
         return self.state.checkpoint
+
+    def check_resumable(self, path: Union[str, os.PathLike]) -> None:
+        """Raise now, before anything starts, what resuming from ``path`` would raise about it:
+        :class:`ResumeMismatchError` listing what differs from this run's setup, or
+        :class:`CheckpointError` for a checkpoint that does not verify. Reads only its JSON files
+        (the full check of every tensor file is done by the resume itself)."""
+        from ..checkpoint.legacy import is_legacy_checkpoint
+
+        path = Path(path)
+        if is_legacy_checkpoint(path):
+            return
+        differences = compare_fingerprints(checkpoint_state(path)["fingerprints"], self._fingerprints())
+        if differences:
+            raise ResumeMismatchError(str(path), differences)
 
     def save_checkpoint(self, output_dir: Union[str, os.PathLike]) -> str:
         """Write the current state as a checkpoint directory ``output_dir`` (CoMLRL's API) and

@@ -106,6 +106,7 @@ class Trainer(Evaluation, Persistence):
         self.checkpoints = CheckpointManager(is_main=self.dist.is_main)
         self.wandb_identity: Optional[dict[str, str]] = None
         self.tracker_identities: dict[str, dict[str, str]] = {}  # other trackers' ("mlflow"), saved with W&B's
+        self.tracker_notes: dict[str, str] = {}  # how each tracker of the last train() logged (W&B: "offline")
         self.verbose = verbose_from_wandb_config(wandb_config)
         self._fingerprint_cache: Optional[dict[str, Any]] = None
         self._code_fingerprints()  # before any reward call (see its docstring)

@@ -164,7 +164,7 @@ class CausalLMWithValueHead(torch.nn.Module):
             hidden = hidden[-1]
             values = self.value_head(hidden).squeeze(-1)
         return ActorCriticOutput(logits=out.logits, values=values, hidden_states=hidden,
-                                 past_key_values=getattr(out, "past_key_values", None))
+                                 past_key_values=_cache_of(out))
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The backbone's ``generate``."""
@@ -220,6 +220,14 @@ class CausalLMWithValueHead(torch.nn.Module):
             except RuntimeError as exc:
                 raise ConfigError(f"{head_path} does not fit this backbone's value head: {exc}") from None
         return model
+
+
+def _cache_of(output: Any) -> Any:
+    """The KV cache of a transformers output, read by key: transformers 5 calls it ``cache`` and
+    warns on the deprecated ``past_key_values`` attribute."""
+    if hasattr(output, "keys"):
+        return output["cache"] if "cache" in output else output.get("past_key_values")
+    return getattr(output, "past_key_values", None)
 
 
 def unwrap_policy(model: torch.nn.Module) -> torch.nn.Module:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import re
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from ..exceptions import CheckpointError, ConfigError
 
-__all__ = ["WandbSink", "check_wandb_config", "wandb_init_kwargs", "check_identity", "IDENTITY_KEYS"]
+__all__ = ["WandbSink", "check_wandb_config", "wandb_init_kwargs", "check_identity", "IDENTITY_KEYS",
+           "offline_folders"]
 
 logger = logging.getLogger("comlrl")
 
@@ -102,7 +104,11 @@ def check_identity(identity: Any, where: str) -> Optional[dict[str, str]]:
 
 
 class WandbSink:
-    """One W&B run, initialised once, never prompting (the ``"wandb"`` tracker of ``report_to``).
+    """One W&B run, never prompting (the ``"wandb"`` tracker of ``report_to``).
+
+    The run starts with the first row logged: a run that fails before it logs anything (a
+    refused resume, a reward function that raises) leaves no empty W&B run behind. Its id is
+    chosen up front, so the identity saved in a checkpoint is known from the start.
 
     With no credentials (and no explicit ``mode`` / ``WANDB_MODE``) the run is offline, announced
     once with the command that uploads it later.
@@ -135,45 +141,72 @@ class WandbSink:
                 kwargs[key] = config[key]
         if "config" in config:
             kwargs["config"] = {**kwargs["config"], **dict(config["config"])}
+        kwargs.setdefault("id", uuid.uuid4().hex[:8])  # W&B's own form (8 lowercase letters and digits)
         if "mode" not in kwargs and not os.environ.get("WANDB_MODE") and not _logged_in(wandb):
             kwargs["mode"] = "offline"
             logger.warning("comlrl: no W&B credentials found (WANDB_API_KEY or `wandb login`); logging offline. "
                            "Upload later with `wandb sync <dir>/wandb/offline-run-*`.")
-        self.run = wandb.init(**kwargs)
-        self.offline = bool(getattr(self.run.settings, "_offline", False)) or kwargs.get("mode") == "offline" \
-            or os.environ.get("WANDB_MODE") == "offline"
-        # A resumed online run knows the next step it accepts; never send one below it.
-        self.min_step = max(min_step, int(getattr(self.run, "step", 0) or 0))
+        self._kwargs = kwargs
+        self.run: Any = None
+        self.offline = kwargs.get("mode") == "offline" or os.environ.get("WANDB_MODE") == "offline"
+        self.min_step = min_step
+
+    def _start(self) -> Any:
+        import wandb
+
+        if self.run is None:
+            self.run = wandb.init(**self._kwargs)
+            self.offline = self.offline or bool(getattr(self.run.settings, "_offline", False))
+            # A resumed online run knows the next step it accepts; never send one below it.
+            self.min_step = max(self.min_step, int(getattr(self.run, "step", 0) or 0))
+        return self.run
 
     def identity(self) -> dict[str, str]:
         """``{"id", "project"[, "entity"]}``: what ``wandb.init`` needs to continue this run."""
-        identity = {"id": str(self.run.id), "project": str(self.run.project)}
-        entity = getattr(self.run, "entity", None)
+        if self.run is None:
+            identity = {"id": str(self._kwargs["id"]), "project": str(self._kwargs["project"])}
+            entity = self._kwargs.get("entity")
+        else:
+            identity = {"id": str(self.run.id), "project": str(self.run.project)}
+            entity = getattr(self.run, "entity", None)
         if entity:
             identity["entity"] = str(entity)
         return identity
+
+    def note(self) -> str:
+        """How the run was logged, for a summary line (``"offline"`` or ``""``)."""
+        return "offline" if self.offline else ""
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log at ``step``; steps below the last one logged (or the resumed run's) are dropped, as
         W&B would drop them; several rows at one step (evaluation and training) are merged.
         ``env_step`` is the step itself, not a metric."""
+        run = self._start()
         if step < self.min_step:
             return
-        self.run.log({k: v for k, v in metrics.items() if k != "env_step"}, step=step)
+        run.log({k: v for k, v in metrics.items() if k != "env_step"}, step=step)
         self.min_step = step
 
     def sync(self) -> None:
         """Nothing to do: W&B streams (or writes offline) on its own."""
 
     def close(self, success: bool = True) -> None:
+        if self.run is None:  # nothing was logged: no W&B run was started
+            return
         if self.offline:
-            run_dir = str(Path(self.run.dir).parent)  # run.dir is the run's files/ folder
-            logger.warning("comlrl: W&B run %s was logged offline in %s; upload it with `wandb sync %s`.",
-                           self.run.id, run_dir, run_dir)
+            logger.warning("comlrl: W&B run %s was logged offline; upload it with `wandb sync %s`.", self.run.id,
+                           " ".join(str(p) for p in offline_folders(Path(self.run.dir).parent, self.run.id)))
         if success:
             self.run.finish()
         else:  # marks the run failed
             self.run.finish(exit_code=1)
+
+
+def offline_folders(run_dir: Path, run_id: str) -> list[Path]:
+    """Every offline folder of run ``run_id`` beside ``run_dir`` (one per resumed part), oldest
+    first: ``wandb sync`` uploads them as one run."""
+    found = sorted(run_dir.parent.glob(f"offline-run-*-{run_id}*"), key=lambda p: p.name)
+    return found or [run_dir]
 
 
 def _logged_in(wandb: Any) -> bool:
