@@ -4,13 +4,7 @@
     from comlrl.utils import read_checkpoint_metadata
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("comlrl")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
-
+from ._version import __version__
 from .exceptions import (CheckpointDirError, CheckpointError, ComlrlError, ComparatorError,  # noqa: E402
                          ConfigError, DataError, ResumeMismatchError, RewardError, TokenizerError, TrainingError, TransitionError)
 from .trainers.reinforce import MAGRPOConfig, MAGRPOTrainer  # noqa: E402

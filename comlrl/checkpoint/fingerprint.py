@@ -199,11 +199,11 @@ def base_fingerprint(model: torch.nn.Module) -> dict[str, Any]:
 
 
 def _unwrap(model: torch.nn.Module) -> tuple[torch.nn.Module, set[str]]:
-    """(the transformers model, the adapter names to leave out)."""
-    from ..adapters import AdapterAgent
-
-    if isinstance(model, AdapterAgent):
-        model = model.shared
+    """(the transformers model, the adapter names to leave out). A comlrl LoRA agent
+    (:class:`comlrl.adapters.AdapterAgent`) is known by the PeftModel it runs on, ``shared``."""
+    shared = getattr(model, "shared", None)
+    if isinstance(shared, torch.nn.Module) and hasattr(shared, "peft_config"):
+        model = shared
     peft_config = getattr(model, "peft_config", None)
     names = set(peft_config) if isinstance(peft_config, dict) else set()
     if hasattr(model, "get_base_model"):

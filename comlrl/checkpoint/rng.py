@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng_state", "restore_rng_state"]
+__all__ = ["capture_rng_state", "restore_rng_state", "set_seed"]
 
 
 def capture_rng_state() -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -42,3 +42,8 @@ def restore_rng_state(json_part: dict[str, Any], tensors: dict[str, torch.Tensor
             torch.cuda.set_rng_state(s, i)
 
 
+def set_seed(seed: int) -> None:
+    """Seed Python, NumPy and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)

@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..exceptions import ConfigError, TokenizerError
-from ..schedulers.device_scheduler import DeviceScheduler, check_available
+from .devices import DeviceScheduler, check_available
 
 __all__ = ["ResolvedAgents", "resolve_agents", "agent_count", "model_kwargs", "infer_model_name", "eos_token_ids",
            "frozen_copies", "check_tokenizers_usable", "check_context", "distinct_modules", "wants_cuda"]
@@ -238,7 +238,7 @@ def resolve_agents(agent_model: Any, agents: Optional[Sequence[Any]], count: int
 
 def _lora_agents(agent_model: Any, agents: Any, count: int, model_config: Any, peft_config: Any, seed: int):
     from ..adapters import build_lora_agents
-    from ..utils import set_seed
+    from ..checkpoint.rng import set_seed
 
     if agents is not None:
         raise ConfigError("peft_config makes the agents LoRA adapters on one shared base: pass agent_model=<path or "
@@ -304,6 +304,6 @@ def distinct_modules(models: Sequence[torch.nn.Module]) -> list[torch.nn.Module]
 
 def wants_cuda(spec: Any, count: int) -> bool:
     """Whether the agents will train on CUDA (the process group then uses NCCL)."""
-    from ..schedulers.device_scheduler import DeviceScheduler
+    from .devices import DeviceScheduler
 
     return any(d.type == "cuda" for d in DeviceScheduler.resolve_devices(spec, count, kind="agent_devices"))

@@ -10,6 +10,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from .._version import __version__
 from ..checkpoint.export import write_export
 from ..checkpoint.fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint,
                                       model_fingerprint, tokenizer_fingerprint)
@@ -74,8 +75,6 @@ class Persistence:
 
     def _record(self) -> dict[str, Any]:
         """The JSON state of a checkpoint (the manager adds RNG and optimizer state)."""
-        from .. import __version__
-
         return {"run_id": self.run_id, "trainer": type(self).__name__, "counters": self.state.counters(),
                 "log_window": self.state.window.to_dict(), "num_train_epochs": self.args.num_train_epochs,
                 "wandb": self.wandb_identity, "trackers": dict(self.tracker_identities), "config": self.args.to_dict(),
@@ -142,7 +141,7 @@ class Persistence:
 
         path = Path(path)
         if is_legacy_checkpoint(path):
-            from ..checkpoint.legacy_resume import resume_legacy
+            from .legacy_resume import resume_legacy
 
             return resume_legacy(self, path)
         def checked(fingerprints: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import json
 from typing import Any, Optional, Sequence, Union
 
 from ..exceptions import ConfigError
-from ..schedulers.device_scheduler import DeviceScheduler, normalize_parallel_training
+from .devices import DeviceScheduler, normalize_parallel_training
 from ..tracking.mlflow import check_tracking_uri
 from ..tracking.trackers import check_report_to, check_report_to_installed
 from .config import (Config, check_bool, check_choice, check_float, check_int, check_str, config_class, optional,

@@ -60,7 +60,9 @@ class TrainState:
 class PlayedBuffer:
     """A buffer's played episodes and its progress through its optimizer steps. A family adds what
     its steps need in ``data``; ``record`` is what the episode metrics need
-    (:func:`comlrl.engine.metrics.record_turns`)."""
+    (:func:`comlrl.engine.metrics.record_turns`). ``steps`` holds, for each optimizer step of one
+    pass over the buffer, its prompts (positions in this process's share, as ``groups`` of
+    ``optimizer_step``); ``steps_done`` counts steps over every pass."""
 
     turns: list[Any]
     record: dict[str, Any]
@@ -70,3 +72,4 @@ class PlayedBuffer:
     indices: list[int] = field(default_factory=list)
     steps_done: int = 0
     step_metrics: list[dict[str, float]] = field(default_factory=list)
+    steps: list[range] = field(default_factory=list)

@@ -15,12 +15,16 @@ import torch
 
 from ..exceptions import TrainingError
 from ..functional.logprobs import sequence_log_probs
-from ..functional.losses import loss_denominator, policy_gradient_loss, sequence_kl
+from ..functional.losses import clipped_policy_loss, loss_denominator, policy_gradient_loss, sequence_kl
 from ..rollout import Rollout
 from . import distributed as dist
 
 __all__ = ["AgentRows", "concat_rollouts", "select_rows", "policy_backward", "step_denominator", "apply_gradients",
-           "StepLoss"]
+           "StepLoss", "rows_log_probs", "OLD_LOG_PROBS", "ADVANTAGE_WEIGHTS"]
+
+# Keys of AgentRows.extras that policy_backward reads:
+OLD_LOG_PROBS = "old_log_probs"          # [R, T] the sampling policy's log-probs: the clipped-ratio (PPO) loss
+ADVANTAGE_WEIGHTS = "advantage_weights"  # [R] a factor on each row's advantage (HAPPO's product of ratios)
 
 
 def select_rows(ro: Rollout, rows: torch.Tensor) -> Rollout:
@@ -87,6 +91,9 @@ class StepLoss:
     loss: float = 0.0
     kl_sum: float = 0.0
     rows: int = 0
+    clipped: float = 0.0                   # scored tokens the clip held back (clipped-ratio loss)
+    tokens: float = 0.0                    # scored tokens
+    log_probs: Optional[torch.Tensor] = None  # [R, T] the rows' log-probs, detached (keep_log_probs=True)
 
 
 AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (returns [R], groups [R]) -> [R]
@@ -95,7 +102,8 @@ AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (returns [
 def policy_backward(model: torch.nn.Module, rows: AgentRows, advantages: AdvantageFn, *, temperature: float,
                     loss_type: str, max_new_tokens: int, denominator: float, micro_groups: Optional[int],
                     reference: Optional[Callable[[Rollout], torch.Tensor]] = None, kl_coef: float = 0.0,
-                    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                    clip_eps: Optional[float] = None, ratio_loss: bool = False, keep_log_probs: bool = False
                     ) -> StepLoss:
     """Back-propagate an agent's policy-gradient loss over ``rows``, micro-batch by micro-batch.
 
@@ -103,10 +111,19 @@ def policy_backward(model: torch.nn.Module, rows: AgentRows, advantages: Advanta
     giving the reference policy's log-probs of the same rows) each completion's return is reduced
     by ``kl_coef`` times its KL to the reference (the log-ratio estimate: see
     :func:`comlrl.functional.losses.sequence_kl`; no gradient through it); the
-    advantages; the loss ``token_sum / denominator``, where ``denominator`` is that of the whole
-    optimizer step on all processes; backward.
+    advantages (times ``rows.extras[ADVANTAGE_WEIGHTS]`` when given); the loss ``token_sum /
+    denominator``, where ``denominator`` is that of the whole optimizer step on all processes; backward.
+
+    ``ratio_loss=True`` takes the clipped-ratio (PPO) loss
+    (:func:`comlrl.functional.losses.clipped_policy_loss`, ``clip_eps`` None: unclipped) against
+    ``rows.extras[OLD_LOG_PROBS]``, the sampling policy's log-probs (absent: the policy has not
+    changed since sampling, so this very forward's log-probs are the old ones and every ratio is
+    1); the KL penalty is then taken from the old log-probs, so that advantages stay those of the
+    samples however many updates reuse them. Otherwise the REINFORCE loss at ratio 1
+    (:func:`comlrl.functional.losses.policy_gradient_loss`).
     """
     out = StepLoss()
+    kept: list[torch.Tensor] = []
     # Eval mode, as during sampling: the gradient must be that of the policy that sampled
     # (dropout would make it another policy's, biasing the ratio-1 on-policy loss).
     model.eval()
@@ -114,18 +131,46 @@ def policy_backward(model: torch.nn.Module, rows: AgentRows, advantages: Advanta
         ro = piece.rollout
         with autocast():
             logp = sequence_log_probs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, temperature)
+        old = piece.extras.get(OLD_LOG_PROBS) if ratio_loss else None
+        old = old.to(logp.device) if old is not None else (logp.detach() if ratio_loss else None)
         returns = piece.returns
         if reference is not None:
-            kl = sequence_kl(logp, reference(ro), ro.completion_mask).cpu()
+            kl = sequence_kl(old if old is not None else logp, reference(ro), ro.completion_mask).cpu()
             returns = returns - kl_coef * kl
             out.kl_sum += float(kl.sum())
         adv = advantages(returns, piece.groups)
-        loss = policy_gradient_loss(logp, adv.to(logp.device), ro.completion_mask, loss_type, max_new_tokens,
-                                    denominator=denominator)
+        if ADVANTAGE_WEIGHTS in piece.extras:
+            adv = adv * piece.extras[ADVANTAGE_WEIGHTS].to(adv.dtype)
+        if ratio_loss:
+            loss, clipped = clipped_policy_loss(logp, old, adv.to(logp.device), ro.completion_mask, clip_eps, loss_type,
+                                                max_new_tokens, denominator=denominator)
+            out.clipped += float(clipped.sum())
+        else:
+            loss = policy_gradient_loss(logp, adv.to(logp.device), ro.completion_mask, loss_type, max_new_tokens,
+                                        denominator=denominator)
         loss.backward()
         out.loss += float(loss.detach())
         out.rows += len(piece.returns)
+        out.tokens += float(ro.completion_mask.sum())
+        if keep_log_probs:
+            kept.append(logp.detach())
+    if keep_log_probs and kept:
+        out.log_probs = torch.cat(kept)
     return out
+
+
+@torch.no_grad()
+def rows_log_probs(model: torch.nn.Module, rows: AgentRows, *, temperature: float, micro_groups: Optional[int],
+                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
+    """``[R, T]`` log-probs of ``rows``' sampled tokens under ``model`` now, in the micro-batches
+    :func:`policy_backward` uses (so that the values equal those of its forward bit for bit)."""
+    model.eval()
+    parts = []
+    for piece in rows.micro_batches(micro_groups):
+        ro = piece.rollout
+        with autocast():
+            parts.append(sequence_log_probs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, temperature))
+    return torch.cat(parts)
 
 
 def step_denominator(rows: Optional[AgentRows], loss_type: str, max_new_tokens: int, ctx: dist.DistContext) -> float:

@@ -152,7 +152,7 @@ class Trainer(Evaluation, Persistence):
         """Optimizer steps of the whole run, for the progress bar (None: not known up front)."""
         size, batch = len(self.epoch_order(0)), self._buffer_prompts()
         per_epoch = sum(math.ceil(min(batch, size - s) / self._step_prompts()) for s in range(0, size, batch))
-        return self.args.num_train_epochs * per_epoch
+        return self.args.num_train_epochs * per_epoch * self._update_passes()
 
     def _epoch_position(self, epoch: float) -> float:
         """The ``epoch`` value of a logged row (a family with phases may offset it)."""
@@ -171,6 +171,10 @@ class Trainer(Evaluation, Persistence):
     def _step_prompts(self) -> int:
         """Prompts per optimizer step."""
         return self.args.train_batch_size
+
+    def _update_passes(self) -> int:
+        """How many times the optimizer steps go over one buffer's episodes (PPO's epochs)."""
+        return 1
 
     def _warn_count(self, count: int) -> None:
         if self.args.num_agents != count:
@@ -197,7 +201,7 @@ class Trainer(Evaluation, Persistence):
         """Each agent's frozen initial policy when the reference KL is on (none otherwise)."""
         if not self.args.reference_kl_enabled:
             return []
-        from ..schedulers.device_scheduler import DeviceScheduler, check_available
+        from .devices import DeviceScheduler, check_available
 
         devices = self.agent_devices if self.args.reference_devices is None else [
             check_available(d, "reference_devices")
@@ -207,7 +211,7 @@ class Trainer(Evaluation, Persistence):
         return [r for r in frozen_copies(self._policies(), devices)]
 
     def _set_seed(self) -> None:
-        from ..utils import set_seed
+        from ..checkpoint.rng import set_seed
 
         set_seed(self.args.seed)
 
@@ -312,8 +316,8 @@ class Trainer(Evaluation, Persistence):
     def _train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
         """Train on one buffer of prompts (``indices`` into the train table): play its episodes
         (:meth:`_collect`, this process's share), then one optimizer step (:meth:`_optimizer_step`)
-        per ``train_batch_size`` prompts. Returns the buffer's metrics and advances ``global_step`` /
-        ``env_step``.
+        per ``train_batch_size`` prompts, :meth:`_update_passes` times over the buffer. Returns the
+        buffer's metrics and advances ``global_step`` / ``env_step``.
 
         The played buffer and its finished steps are kept on the trainer until the buffer is done,
         so train() called again after an interruption redoes only the interrupted step.
@@ -327,10 +331,10 @@ class Trainer(Evaluation, Persistence):
             buffer = self._buffer = self._collect([i for part in mine for i in part], epoch, timer)
             buffer.epoch, buffer.indices = epoch, list(indices)
         offsets = [sum(len(m) for m in mine[:c]) for c in range(len(chunks))]
-        while buffer.steps_done < len(chunks):
-            c = buffer.steps_done
+        buffer.steps = [range(offsets[c], offsets[c] + len(mine[c])) for c in range(len(chunks))]
+        while buffer.steps_done < self._update_passes() * len(chunks):
             with timer("update"):
-                buffer.step_metrics.append(self._optimizer_step(buffer, range(offsets[c], offsets[c] + len(mine[c]))))
+                buffer.step_metrics.append(self._optimizer_step(buffer, buffer.steps[buffer.steps_done % len(chunks)]))
             buffer.steps_done += 1
         self._buffer = None
         merged = merge_records([buffer.record] if buffer.turns else [], self.args.num_turns, self.num_agents, self.dist)
@@ -343,11 +347,13 @@ class Trainer(Evaluation, Persistence):
         return metrics
 
     def _step_all(self, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                  schedulers: Sequence[Any]) -> tuple[dict[str, float], Optional[list[float]]]:
+                  schedulers: Sequence[Any], count: bool = True) -> tuple[dict[str, float], Optional[list[float]]]:
         """The optimizer step of every trained module, once their gradients are in: wait for the
         checkpoint being written, sum gradients over processes, check, clip, step (see
         :func:`comlrl.engine.step.apply_gradients`), refresh the rollout backend's weights.
-        Returns the step's metrics and each module's gradient norm (None: the step was skipped)."""
+        Returns the step's metrics and each module's gradient norm (None: the step was skipped).
+        ``count=False``: one part of an optimizer step that updates modules one after another (the
+        family then adds 1 to ``state.global_step`` itself)."""
         learning_rate = schedulers[0].get_last_lr()[0]  # the rate this step is taken with
         self._settle_checkpoint()
         norms = apply_gradients(models, optimizers, schedulers, self.args.max_grad_norm, self.dist,
@@ -355,7 +361,7 @@ class Trainer(Evaluation, Persistence):
         self.backend.mark_stale()
         if norms is None:
             return {"train/learning_rate": learning_rate, "train/skipped_steps": 1.0}, None
-        self.state.global_step += 1
+        self.state.global_step += int(count)
         return {"train/learning_rate": learning_rate}, norms
 
     def _buffer_order(self, indices: list[int], epoch: int) -> list[int]:

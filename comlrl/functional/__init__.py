@@ -4,11 +4,12 @@ and the log-probabilities of sampled tokens."""
 from .advantages import group_advantages, group_mean_std
 from .joint import cross_combinations, cross_returns, joint_actions_per_group
 from .logprobs import linear_selected_log_probs, selected_log_probs, sequence_log_probs
-from .losses import (LOSS_TYPES, aggregate_tokens, completion_mask, loss_denominator, policy_gradient_loss,
-                     sequence_kl, token_sum)
+from .losses import (LOSS_TYPES, aggregate_tokens, clipped_policy_loss, completion_mask, loss_denominator,
+                     policy_gradient_loss, sequence_kl, sequence_ratio, token_sum)
 from .returns import discounted_returns, tree_size
 
 __all__ = ["group_advantages", "group_mean_std", "cross_combinations", "cross_returns", "joint_actions_per_group",
            "linear_selected_log_probs", "selected_log_probs", "sequence_log_probs", "LOSS_TYPES", "aggregate_tokens",
-           "completion_mask", "loss_denominator", "policy_gradient_loss", "sequence_kl", "token_sum",
+           "completion_mask", "loss_denominator", "policy_gradient_loss", "clipped_policy_loss", "sequence_kl",
+           "sequence_ratio", "token_sum",
            "discounted_returns", "tree_size"]

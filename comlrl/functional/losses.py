@@ -9,8 +9,8 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["completion_mask", "policy_gradient_loss", "token_sum", "loss_denominator", "aggregate_tokens",
-           "sequence_kl", "LOSS_TYPES"]
+__all__ = ["completion_mask", "policy_gradient_loss", "clipped_policy_loss", "token_sum", "loss_denominator",
+           "aggregate_tokens", "sequence_kl", "sequence_ratio", "LOSS_TYPES"]
 
 LOSS_TYPES = ("sequence", "grpo", "token_mean", "dr_grpo")
 
@@ -53,6 +53,54 @@ def policy_gradient_loss(
     """
     per_token = -advantages.to(log_probs.dtype).unsqueeze(1) * log_probs
     return aggregate_tokens(per_token, mask, loss_type, max_new_tokens, denominator)
+
+
+def clipped_policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float | None,
+    loss_type: str = "sequence",
+    max_new_tokens: int | None = None,
+    denominator: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate with token-level ratios (GRPO's loss as TRL and verl compute it).
+
+    Per scored token ``t`` of a completion with advantage ``A``: ``r_t = exp(logp_t - old_t)`` and
+    the loss ``-min(r_t * A, clip(r_t, 1 - eps, 1 + eps) * A)``; aggregated over tokens and rows as
+    :func:`policy_gradient_loss` does for ``loss_type``. ``clip_eps=None`` keeps the unclipped ratio.
+    At ``log_probs == old_log_probs`` (the first update after sampling) every ratio is exactly 1,
+    nothing is clipped, and the gradient is exactly :func:`policy_gradient_loss`'s.
+
+    Args:
+        log_probs: ``[R, T]`` log-probs of the sampled tokens under the policy being updated (grad).
+        old_log_probs: ``[R, T]`` the same under the policy that sampled them (no grad).
+        advantages: ``[R]`` one advantage per completion (no grad).
+        mask: ``[R, T]`` bool, the scored tokens.
+        clip_eps: the clip range ``eps`` (> 0), or None.
+    Returns:
+        ``(loss, clipped)``: the scalar loss, and ``[R, T]`` bool, which scored tokens the clip
+        held back (the min took the clipped term and it differs from the unclipped one).
+    """
+    ratio = torch.exp(log_probs - old_log_probs.detach().to(log_probs.dtype))
+    adv = advantages.to(log_probs.dtype).unsqueeze(1)
+    unclipped = ratio * adv
+    if clip_eps is None:
+        surrogate, clipped = unclipped, torch.zeros_like(mask, dtype=torch.bool)
+    else:
+        bounded = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv
+        surrogate = torch.minimum(unclipped, bounded)
+        clipped = (bounded < unclipped) & mask.bool()
+    return aggregate_tokens(-surrogate, mask, loss_type, max_new_tokens, denominator), clipped
+
+
+def sequence_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[R]`` float64 probability ratio of whole completions, ``exp(sum_t (logp_t - old_t))`` over
+    the scored tokens (no gradient): how much more likely the updated policy makes each sample."""
+    delta = torch.where(mask.bool(), log_probs.detach().double() - old_log_probs.detach().double(),
+                        torch.zeros((), dtype=torch.float64, device=log_probs.device))
+    return torch.exp(delta.sum(dim=1))
 
 
 def token_sum(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str) -> torch.Tensor:

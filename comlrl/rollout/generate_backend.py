@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from ..functional.losses import completion_mask
-from .sampling import Rollout, SamplingParams, derive_seed, left_pad
+from .sampling import Rollout, SamplingParams, decode_completions, derive_seed, left_pad  # one decoding rule
 
 __all__ = ["generate_rollout", "has_custom_generate"]
 
@@ -56,7 +56,6 @@ def generate_rollout(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[s
     completion_ids = _pad_after_eos(sequences[:, prompt_ids.shape[1]:].to(device).clone(), eos_token_ids,
                                     tokenizer.pad_token_id)
     mask = completion_mask(completion_ids, eos_token_ids)
-    from .transformers_loop import decode_completions  # one decoding rule for every backend
 
     texts = decode_completions(tokenizer, completion_ids, mask, eos_token_ids)
     rows = torch.arange(len(prompts), device=device).repeat_interleave(group)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["SamplingParams", "Rollout", "derive_seed", "row_uniforms", "sample_tokens", "left_pad"]
+__all__ = ["SamplingParams", "Rollout", "derive_seed", "row_uniforms", "sample_tokens", "left_pad", "decode_completions"]
 
 
 @dataclass(frozen=True)
@@ -146,3 +146,16 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int, device: torc
     return ids.to(device), mask.to(device)
 
 
+def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor,
+                       eos_token_ids: Sequence[int]) -> list[str]:
+    """Decode each row's scored tokens, dropping the closing EOS."""
+    eos = set(eos_token_ids)
+    ids = completion_ids.tolist()
+    lengths = mask.sum(dim=1).tolist()
+    kept = []
+    for row, n in zip(ids, lengths):
+        row = row[:n]
+        if row and row[-1] in eos:
+            row = row[:-1]
+        kept.append(row)
+    return tokenizer.batch_decode(kept, skip_special_tokens=True)

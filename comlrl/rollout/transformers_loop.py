@@ -22,7 +22,7 @@ import torch
 
 from ..functional.losses import completion_mask
 from . import lean as fast_decode
-from .sampling import Rollout, SamplingParams, left_pad, row_uniforms, sample_tokens
+from .sampling import Rollout, SamplingParams, decode_completions, left_pad, row_uniforms, sample_tokens
 
 logger = logging.getLogger("comlrl")
 
@@ -373,17 +373,3 @@ def generate_stacked(models: list[torch.nn.Module], prepared: list[_Prepared], p
     completions = torch.stack(steps, dim=1).view(n, rows, -1)
     return [completions[a, :, :lengths[a] or completions.shape[-1]] for a in range(n)]
 
-
-def decode_completions(tokenizer, completion_ids: torch.Tensor, mask: torch.Tensor,
-                       eos_token_ids: Sequence[int]) -> list[str]:
-    """Decode each row's scored tokens, dropping the closing EOS."""
-    eos = set(eos_token_ids)
-    ids = completion_ids.tolist()
-    lengths = mask.sum(dim=1).tolist()
-    kept = []
-    for row, n in zip(ids, lengths):
-        row = row[:n]
-        if row and row[-1] in eos:
-            row = row[:-1]
-        kept.append(row)
-    return tokenizer.batch_decode(kept, skip_special_tokens=True)

@@ -2,8 +2,9 @@
 :class:`Tracker`. By default ``metrics.jsonl`` always and W&B when a ``wandb_config`` is given."""
 
 from .jsonl import JsonlSink, strict_json
-from .trackers import (TRACKERS, StepFilter, Tracker, TrackerContext, active_trackers, check_report_to,
-                       check_tracker_identities, open_trackers)
+from .steps import StepFilter
+from .trackers import (TRACKERS, Tracker, TrackerContext, active_trackers, check_report_to, check_tracker_identities,
+                       open_trackers)
 from .wandb import WandbSink, check_identity, check_wandb_config, wandb_init_kwargs
 
 __all__ = ["JsonlSink", "WandbSink", "Tracker", "TrackerContext", "TRACKERS", "StepFilter", "active_trackers",

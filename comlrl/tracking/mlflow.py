@@ -27,7 +27,7 @@ from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
 from ..exceptions import CheckpointError, ConfigError
-from .trackers import StepFilter
+from .steps import StepFilter
 
 __all__ = ["MlflowTracker", "check_mlflow_identity", "check_tracking_uri", "RUN_ID_TAG", "DEFAULT_EXPERIMENT"]
 

@@ -18,7 +18,7 @@ import struct
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from .trackers import StepFilter
+from .steps import StepFilter
 
 __all__ = ["TensorBoardTracker", "read_scalars"]
 

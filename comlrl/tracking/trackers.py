@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
@@ -24,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime
 from ..exceptions import CheckpointError, ConfigError
 
 __all__ = ["Tracker", "TrackerContext", "TRACKERS", "check_report_to", "check_report_to_installed",
-           "active_trackers", "open_trackers", "check_tracker_identities", "StepFilter", "INSTALL_HINTS"]
+           "active_trackers", "open_trackers", "check_tracker_identities", "INSTALL_HINTS"]
 
 logger = logging.getLogger("comlrl")
 
@@ -205,47 +204,3 @@ def _open(name: str, args: Any, wandb_config: Optional[Mapping[str, Any]], ctx: 
                              run_name=args.mlflow_run_name, run_config=ctx.run_config, comlrl_run_id=ctx.run_id,
                              identity=ctx.identities.get("mlflow"), resume_step=ctx.resume_step)
     raise ConfigError(f"unknown tracker {name!r}")
-
-
-# --- each step once ------------------------------------------------------------------------------
-
-class StepFilter:
-    """Which ``(key, step)`` values of a row a tracker still has to record, so that each key has
-    each step once: not twice within a run (an evaluation row and a training row share a step and
-    both carry ``epoch`` and ``global_step``), and not again after a resume when the tracker's store
-    already holds it (``present``: ``{key: {step: value}}`` read back from the store).
-
-    A value that differs from the stored one is not sent (the store is not rewritten); a warning
-    names it once, since a bit-exact resume redoes the same values (``timing/*`` keys excepted).
-    """
-
-    def __init__(self, present: Optional[Mapping[str, Mapping[int, float]]] = None, tracker: str = "",
-                 same: Callable[[float, float], bool] = lambda a, b: a == b or (math.isnan(a) and math.isnan(b))):
-        self.present = {k: dict(v) for k, v in (present or {}).items()}
-        self.last: dict[str, int] = {}
-        self.tracker, self.same = tracker, same
-        self.differing: list[tuple[str, int]] = []
-
-    def new_values(self, row: Mapping[str, Any], step: int) -> dict[str, float]:
-        out = {}
-        for key, value in row.items():
-            if key == "env_step" or isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            value = float(value)
-            if self.last.get(key, -1) >= step:
-                continue
-            self.last[key] = step
-            stored = self.present.get(key, {}).get(step)
-            if stored is not None:
-                if not key.startswith("timing/") and not self.same(stored, value):
-                    self._differs(key, step, stored, value)
-                continue
-            out[key] = value
-        return out
-
-    def _differs(self, key: str, step: int, stored: float, value: float) -> None:
-        if not self.differing:
-            logger.warning("comlrl: %s already holds %s=%r at step %d from before the interruption; the redone run "
-                           "gives %r (resume is bit-exact only on CPU). %s keeps the first value; metrics.jsonl holds "
-                           "the redone ones.", self.tracker, key, stored, step, value, self.tracker)
-        self.differing.append((key, step))

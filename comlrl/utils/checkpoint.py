@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
-import torch
 
 from ..checkpoint import files
 from ..checkpoint.manager import latest_checkpoint
+from ..checkpoint.rng import set_seed
 from ..checkpoint.state import validate_state
 
 __all__ = ["read_checkpoint_metadata", "find_latest_checkpoint", "set_seed"]
@@ -62,10 +60,3 @@ def find_latest_checkpoint(directory: str | os.PathLike) -> Optional[Path]:
     """The newest ``checkpoint-N`` in ``directory`` that verifies (every file's hash, every state
     field), or None; a damaged newest checkpoint falls back to the one before it."""
     return latest_checkpoint(directory)
-
-
-def set_seed(seed: int) -> None:
-    """Seed Python, NumPy and torch (CPU and every CUDA device)."""
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)

@@ -14,7 +14,7 @@ import torch
 
 from ..exceptions import ConfigError
 from ..functional.logprobs import selected_log_probs
-from ..schedulers.device_scheduler import DeviceScheduler
+from ..engine.devices import DeviceScheduler
 from .model_loading import freeze_model
 
 __all__ = ["reference_kl_enabled", "reference_kl_coef", "validate_reference_kl_config", "resolve_reference_devices",

@@ -142,7 +142,7 @@ class ActorCriticTrainerBase(Trainer):
         return True
 
     def _trained_models(self, resolved: Any) -> list[torch.nn.Module]:
-        from ...utils import set_seed
+        from ...checkpoint.rng import set_seed
 
         set_seed(self.args.seed)  # value heads initialised from the run's seed
         heads = self._given_heads or [None] * len(resolved.models)

@@ -13,7 +13,7 @@ import torch
 from ...engine.inputs import model_kwargs
 from ...exceptions import ConfigError
 from ...models.actor_critic import CausalLMWithValueHead, unwrap_policy
-from ...schedulers.device_scheduler import DeviceScheduler, check_available
+from ...engine.devices import DeviceScheduler, check_available
 
 __all__ = ["split_value_heads", "critic_sources", "load_critics", "as_value_model", "critic_device_list",
            "check_critic_vocab", "lora_critics"]

@@ -108,7 +108,7 @@ class _Iterative:
         return Path(configured) if configured else (self._root or Path(self.args.output_dir)) / name
 
     def _comparator_devices(self) -> list[Any]:
-        from ...schedulers.device_scheduler import DeviceScheduler
+        from ...engine.devices import DeviceScheduler
 
         if self.args.comparator_devices is None:
             return list(self.agent_devices)

@@ -129,7 +129,7 @@ class MARLHFTrainer(MADPOTrainer):
         spec = self.args.reward_model_device
         if spec is None or (spec == "cuda:0" and not torch.cuda.is_available()):
             return self.agent_devices[0]  # CoMLRL's default 'cuda:0' on a machine without CUDA
-        from ...schedulers.device_scheduler import DeviceScheduler, check_available
+        from ...engine.devices import DeviceScheduler, check_available
 
         return check_available(DeviceScheduler.resolve_devices(spec, 1, kind="reward_model_device")[0],
                                "reward_model_device")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ...engine.config import check_choice, check_int, config_class, resumable_fields, setting
+from typing import Optional
+
+from ...engine.config import check_choice, check_float, check_int, config_class, optional, resumable_fields, setting
 from ...engine.settings import TrainerConfig
 from ...exceptions import ConfigError
 
@@ -34,6 +36,19 @@ class MAGRPOConfig(TrainerConfig):
                                          "max_new_tokens.", check_choice(*LOSS_TYPES))
     max_joint_actions: int = setting(4096, "Refuse settings scoring more joint actions per prompt, all turns "
                                            "together (K**N per node in cross mode).", check_int(1))
+    # comlrl's own: the clipped-ratio update (PPO / GRPO as TRL and verl run it)
+    ppo_clip_eps: Optional[float] = setting(None, "Clip range eps of the clipped-ratio (PPO) loss, e.g. 0.2: each "
+                                                  "token's ratio to the sampling policy is clipped to [1-eps, 1+eps]. "
+                                                  "None: no clipping (the REINFORCE loss when num_update_epochs is 1).",
+                                            optional(check_float(lambda v: 0 < v < 1, "in (0, 1)")))
+    num_update_epochs: int = setting(1, "Passes of optimizer steps over each rollout buffer (PPO's epochs): "
+                                        "later passes reuse the samples, weighted by the ratio to the sampling "
+                                        "policy (clipped with ppo_clip_eps).", check_int(1))
+
+    @property
+    def ratio_loss(self) -> bool:
+        """Whether updates use the ratio to the sampling policy (clipped or several passes)."""
+        return self.ppo_clip_eps is not None or self.num_update_epochs > 1
 
     def validate(self) -> None:
         super().validate()

@@ -22,7 +22,8 @@ from ...engine import distributed as dist
 from ...engine.collect import train_seeds
 from ...engine.metrics import record_turns
 from ...engine.state import PlayedBuffer
-from ...engine.step import AgentRows, concat_rollouts, policy_backward, select_rows, step_denominator
+from ...engine.step import (ADVANTAGE_WEIGHTS, OLD_LOG_PROBS, AgentRows, StepLoss, concat_rollouts, policy_backward,
+                           rows_log_probs, select_rows, step_denominator)
 from ...engine.timing import PhaseTimer
 from ...engine.trainer import Trainer
 from ...exceptions import ConfigError
@@ -143,32 +144,76 @@ class MAGRPOTrainer(Trainer):
     def _advantages(self, returns: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         return group_advantages(returns, groups, self.args.advantage_mode, self.args.advantage_normalization)
 
+    def _update_passes(self) -> int:
+        return self.args.num_update_epochs
+
     def _optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
         """One optimizer step per agent on the prompts ``groups`` (this process's share)."""
-        args = self.args
-        losses = []
-        for a, model in enumerate(self.agents):
-            rows = self._rows(buffer, a, groups)
-            denominator = step_denominator(rows, args.loss_type, args.max_new_tokens, self.dist)
-            if rows is not None:
-                losses.append(policy_backward(
-                    model, rows, self._advantages, temperature=args.temperature, loss_type=args.loss_type,
-                    max_new_tokens=args.max_new_tokens, denominator=denominator, micro_groups=args.micro_batch_size,
-                    reference=self._reference_fn(a) if args.reference_kl_enabled else None,
-                    kl_coef=args.reference_kl_coef, autocast=self._autocast))
-            else:
-                losses.append(None)
-        totals = dist.all_reduce_sum([v for s in losses for v in ((s.loss, s.kl_sum, s.rows) if s else (0, 0, 0))],
-                                     self.dist)
+        losses = [self._agent_backward(buffer, a, groups) for a in range(len(self.agents))]
+        totals = dist.all_reduce_sum([v for s in losses for v in self._loss_totals(s)], self.dist)
         metrics, norms = self._step_all(self.agents, self.optimizers, self.schedulers)
         if norms is None:
             return metrics
         for a in range(len(self.agents)):
-            loss, kl_sum, rows = totals[3 * a:3 * a + 3]
-            metrics[f"agent_{a}/loss"] = loss
-            metrics[f"agent_{a}/grad_norm"] = norms[a]
-            if args.reference_kl_enabled and rows:
-                metrics[f"agent_{a}/reference_kl"] = kl_sum / rows
+            metrics.update(self._agent_metrics(a, totals[5 * a:5 * a + 5], norms[a]))
+        return metrics
+
+    def _agent_backward(self, buffer: PlayedBuffer, agent: int, groups: range,
+                        weights: Optional[torch.Tensor] = None) -> Optional[StepLoss]:
+        """Back-propagate agent ``agent``'s loss on the prompts ``groups``; ``weights`` (``[R]``,
+        one per row) multiply its advantages. None when this process has no rows."""
+        args = self.args
+        rows = self._rows(buffer, agent, groups)
+        denominator = step_denominator(rows, args.loss_type, args.max_new_tokens, self.dist)
+        if rows is None:
+            return None
+        key = (agent, groups.start)
+        if args.ratio_loss:
+            self._keep_old_log_probs(buffer, agent, groups)
+            old = buffer.data.setdefault("old_log_probs", {}).get(key)
+            if old is not None:
+                rows.extras[OLD_LOG_PROBS] = old
+        if weights is not None:
+            rows.extras[ADVANTAGE_WEIGHTS] = weights
+        out = policy_backward(
+            self.agents[agent], rows, self._advantages, temperature=args.temperature, loss_type=args.loss_type,
+            max_new_tokens=args.max_new_tokens, denominator=denominator, micro_groups=args.micro_batch_size,
+            reference=self._reference_fn(agent) if args.reference_kl_enabled else None,
+            kl_coef=args.reference_kl_coef, autocast=self._autocast, clip_eps=args.ppo_clip_eps,
+            ratio_loss=args.ratio_loss, keep_log_probs=args.ratio_loss and key not in buffer.data["old_log_probs"])
+        if out.log_probs is not None:  # this step's first update: its forward was the sampling policy's
+            buffer.data["old_log_probs"][key] = out.log_probs
+        return out
+
+    def _keep_old_log_probs(self, buffer: PlayedBuffer, agent: int, groups: range) -> None:
+        """Before an agent's first update on a buffer, its policy is the one that sampled: the
+        log-probs of the rows of the buffer's OTHER optimizer steps are taken now (no gradient),
+        those of this step come from this step's own forward (no extra pass when a buffer is one
+        optimizer step). Later steps and passes compare against these."""
+        kept = buffer.data.setdefault("old_log_probs", {})
+        read = buffer.data.setdefault("sampled_policy_read", set())
+        if buffer.steps_done or agent in read:
+            return
+        read.add(agent)
+        for step in buffer.steps:
+            rows = self._rows(buffer, agent, step) if step != groups else None
+            if rows is not None:
+                kept[(agent, step.start)] = rows_log_probs(self.agents[agent], rows, temperature=self.args.temperature,
+                                                           micro_groups=self.args.micro_batch_size,
+                                                           autocast=self._autocast)
+
+    @staticmethod
+    def _loss_totals(out: Optional[StepLoss]) -> tuple[float, ...]:
+        """What an agent's step reports, summed over processes (:meth:`_agent_metrics` reads it)."""
+        return (out.loss, out.kl_sum, out.rows, out.clipped, out.tokens) if out else (0.0,) * 5
+
+    def _agent_metrics(self, agent: int, totals: Sequence[float], norm: float) -> dict[str, float]:
+        loss, kl_sum, rows, clipped, tokens = totals
+        metrics = {f"agent_{agent}/loss": loss, f"agent_{agent}/grad_norm": norm}
+        if self.args.reference_kl_enabled and rows:
+            metrics[f"agent_{agent}/reference_kl"] = kl_sum / rows
+        if self.args.ppo_clip_eps is not None and tokens:
+            metrics[f"agent_{agent}/clip_fraction"] = clipped / tokens  # TRL's clip_ratio
         return metrics
 
     def _fingerprint_extra(self) -> dict[str, Any]:

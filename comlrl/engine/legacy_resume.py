@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..exceptions import CheckpointError, ResumeMismatchError
-from .legacy import read_legacy_checkpoint
-from .rng import restore_rng_state
+from ..checkpoint.legacy import read_legacy_checkpoint
+from ..checkpoint.rng import restore_rng_state
 
 if TYPE_CHECKING:
-    from ..engine.trainer import Trainer
+    from .trainer import Trainer
 
 __all__ = ["resume_legacy"]
 
@@ -57,7 +57,7 @@ def _differences(trainer: "Trainer", saved: Any) -> list[str]:
 
 def resume_legacy(trainer: "Trainer", path: Path) -> int:
     """Load a 1.4.3 checkpoint into ``trainer``; returns its checkpoint number."""
-    from ..engine.state import TrainState
+    from .state import TrainState
 
     if not getattr(trainer, "legacy_resume_supported", True):
         raise CheckpointError(f"{path} was written by CoMLRL 1.4.3; continuing a 1.4.3 {type(trainer).__name__} run "
