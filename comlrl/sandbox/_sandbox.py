@@ -24,11 +24,13 @@ LAYERS = {
     "session": "own session and process group per run",
     "kill_tree": "every process a run started is killed when it ends (PID namespace, else a subreaper sweep)",
     "pid_namespace": "a fresh PID namespace per run: other processes are invisible and cannot be signalled",
-    "rlimits": "limits on CPU time, address space, processes, file size and open files",
+    "rlimits": "limits on CPU time, address space, file size and open files",
+    "process_limit": "a limit on the processes and threads a program may start (RLIMIT_NPROC; not for root)",
     "separate_user": "the program runs as an unprivileged user id of its own (when started as root)",
     "environment": "a minimal environment: nothing of the parent's variables (no API keys or tokens)",
     "tmpdir": "a fresh temporary working directory, removed afterwards",
     "network": "no network (a new network namespace, or seccomp refusing new sockets)",
+    "signals": "the program cannot signal processes outside its run (PID namespace, own user id, or Landlock ABI 6)",
     "filesystem": "no writes outside the temporary directory (read-only mount namespace, or Landlock)",
     "file_reads": "reads only of system and Python files, none of the user's (Landlock)",
     "syscall_filter": "seccomp refuses ptrace, namespaces, io_uring, bpf, kernel modules and the like",
@@ -42,8 +44,10 @@ def _layers(active: dict[str, bool]) -> dict[str, bool]:
     return {
         "session": True, "kill_tree": True, "rlimits": True, "environment": True, "tmpdir": True,
         "pid_namespace": on["pid_namespace"],
+        "process_limit": bool(active.get("process_limit")),
         "separate_user": on["uid_drop"],
         "network": on["network_namespace"] or on["seccomp"],
+        "signals": on["pid_namespace"] or on["uid_drop"] or bool(active.get("landlock_signals")),
         "filesystem": on["mount_namespace"] or on["landlock"],
         "file_reads": on["landlock"],
         "syscall_filter": on["seccomp"],
@@ -169,12 +173,12 @@ class Sandbox:
         report = self._with_worker(lambda w: w.start())
         return {m: ("on" if report["active"].get(m) else "off") + (f": {report['reasons'][m]}"
                                                                     if report["reasons"].get(m) else "")
-                for m in MECHANISMS}
+                for m in (*MECHANISMS, "process_limit")}
 
     @staticmethod
     def _why(layer: str, report: dict[str, Any]) -> str:
-        mechanisms = {"pid_namespace": ["pid_namespace"], "separate_user": ["uid_drop"],
-                      "network": ["network_namespace", "seccomp"], "filesystem": ["mount_namespace", "landlock"],
+        mechanisms = {"pid_namespace": ["pid_namespace"], "separate_user": ["uid_drop"], "process_limit": ["process_limit"],
+                      "network": ["network_namespace", "seccomp"], "signals": ["pid_namespace", "uid_drop", "landlock"], "filesystem": ["mount_namespace", "landlock"],
                       "file_reads": ["landlock"], "syscall_filter": ["seccomp"]}.get(layer, [])
         return ", ".join(f"{m} off ({report['reasons'].get(m, 'unavailable')})" for m in mechanisms)
 

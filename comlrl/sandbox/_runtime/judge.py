@@ -95,7 +95,10 @@ class _Program:
 
 
 def _short(value: Any, size: int = 120) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # e.g. an int past Python's digit limit for str()
+        text = f"<{type(value).__name__}>"
     return text if len(text) <= size else text[:size] + "..."
 
 

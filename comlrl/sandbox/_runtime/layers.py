@@ -6,6 +6,7 @@ Each layer is tried on its own and reported; one that the machine does not allow
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import resource
@@ -46,6 +47,7 @@ class Zygote:
     pid_ns_fd: Optional[int] = None
     seccomp_filter: Any = None
     read_paths: tuple[str, ...] = ()
+    nproc_floor: int = 0   # processes the program's user already has (RLIMIT_NPROC counts them too)
 
 
 def _try(z: Zygote, name: str, disabled: set[str], action) -> bool:
@@ -100,8 +102,19 @@ def setup(config: dict[str, Any]) -> Zygote:
         _try(z, "pid_namespace", disabled, lambda: _probe_pid_namespace(z))
     else:
         z.active["pid_namespace"], z.reasons["pid_namespace"] = False, "needs root or a user namespace"
+    if z.uids is not None:
+        z.active["process_limit"] = True
+    elif root:
+        z.active["process_limit"] = False
+        z.reasons["process_limit"] = "RLIMIT_NPROC does not apply to root, and the program keeps uid 0"
+    else:
+        # The user's own processes count against the limit too: allow the program as many more.
+        z.nproc_floor = _tasks_of(os.getuid())
+        z.active["process_limit"] = True
+        z.reasons["process_limit"] = f"{z.nproc_floor} processes of this user already running"
     _try(z, "seccomp", disabled, lambda: setattr(z, "seccomp_filter", _build_seccomp()))
-    _try(z, "landlock", disabled, _probe_landlock)
+    if _try(z, "landlock", disabled, _probe_landlock):
+        z.active["landlock_signals"] = "signals" in z.reasons.get("landlock", "")
     z.read_paths = read_paths
     return z
 
@@ -229,7 +242,22 @@ def _build_seccomp():
     for flag in _NS_FLAGS:
         f.add_rule(sc.ERRNO(errno.EPERM), "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    # kill(-1, sig) signals every process the caller may signal: never a test program's business.
+    f.add_rule(sc.ERRNO(errno.EPERM), "kill", sc.Arg(0, sc.MASKED_EQ, 0xFFFFFFFF, 0xFFFFFFFF))
     return f
+
+
+def _tasks_of(uid: int) -> int:
+    """Threads and processes of ``uid`` now (what RLIMIT_NPROC counts)."""
+    count = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    count += len(os.listdir(f"/proc/{pid}/task"))
+            except OSError:
+                pass
+    return count
 
 
 def _probe_landlock() -> str:
@@ -238,7 +266,8 @@ def _probe_landlock() -> str:
     abi = landlock.landlock_abi_version()
     if abi < 1:
         raise OSError("Landlock is not enabled in this kernel")
-    return f"ABI {abi}"
+    features = landlock_features(abi)
+    return f"ABI {abi}" + "".join(f", {name}" for name, on in features.items() if on)
 
 
 def _read_paths() -> tuple[str, ...]:
@@ -289,23 +318,55 @@ def _rlimits(z: Zygote, cpu_s: float, memory_mb: int, role: str) -> None:
              (resource.RLIMIT_NOFILE, (int(limits["nofile"]),) * 2),
              (resource.RLIMIT_CORE, (0, 0))]
     if role == "program":
-        pairs.append((resource.RLIMIT_NPROC, (int(limits["nproc"]),) * 2))
+        pairs.append((resource.RLIMIT_NPROC, (z.nproc_floor + int(limits["nproc"]),) * 2))
     for which, value in pairs:
         soft, hard = resource.getrlimit(which)
         cap = hard if hard != resource.RLIM_INFINITY else value[1]
         resource.setrlimit(which, (min(value[0], cap), min(value[1], cap)))
 
 
-def _landlock(z: Zygote, workdir: Optional[str]) -> None:
-    from landlock import FSAccess, Ruleset
+class _RulesetAttr(ctypes.Structure):
+    """struct landlock_ruleset_attr (linux/landlock.h): file-system rights, TCP rights (ABI 4),
+    scopes (ABI 6). The ``landlock`` package's own struct has only the first field."""
 
-    ruleset = Ruleset()  # handles every file-system access right of this kernel's ABI
-    read = FSAccess.READ_FILE | FSAccess.READ_DIR | FSAccess.EXECUTE
-    for path in z.read_paths:
-        ruleset.allow(path, rules=read)
-    for device in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random"):
-        if os.path.exists(device):
-            ruleset.allow(device, rules=FSAccess.all_file())
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+_NET_TCP_BIND_CONNECT = 0x1 | 0x2          # LANDLOCK_ACCESS_NET_BIND_TCP | CONNECT_TCP
+_SCOPE_ABSTRACT_UNIX_AND_SIGNAL = 0x1 | 0x2  # LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | SIGNAL
+
+
+def landlock_features(abi: int) -> dict[str, bool]:
+    return {"tcp": abi >= 4, "signals": abi >= 6}
+
+
+def _landlock(z: Zygote, workdir: Optional[str]) -> None:
+    """Reads only beneath ``z.read_paths``, writes only beneath ``workdir``; with ABI 4 no TCP
+    bind/connect, with ABI 6 no signals to (and no abstract sockets of) processes outside."""
+    from landlock import FSAccess, landlock_abi_version
+    from landlock.plumbing import PathBeneathAttr, RulesetAttr, get_add_rule, get_create_ruleset, get_restrict_self
+
+    features = landlock_features(landlock_abi_version())
+    attr = _RulesetAttr(int(FSAccess.all()), _NET_TCP_BIND_CONNECT if features["tcp"] else 0,
+                        _SCOPE_ABSTRACT_UNIX_AND_SIGNAL if features["signals"] else 0)
+    # the package's function is typed for its one-field struct; the kernel reads sizeof(attr) bytes
+    fd = get_create_ruleset()(ctypes.cast(ctypes.pointer(attr), ctypes.POINTER(RulesetAttr)), ctypes.sizeof(attr), 0)
+    read = int(FSAccess.READ_FILE | FSAccess.READ_DIR | FSAccess.EXECUTE)
+    rules = [(path, read) for path in z.read_paths]
+    rules += [(dev, int(FSAccess.all_file())) for dev in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")]
     if workdir is not None:
-        ruleset.allow(workdir)
-    ruleset.apply()
+        rules.append((workdir, int(FSAccess.all())))
+    try:
+        for path, rights in rules:
+            try:
+                target = os.open(path, os.O_PATH)
+            except OSError:
+                continue
+            try:
+                get_add_rule()(fd, 1, ctypes.byref(PathBeneathAttr(rights, target)), 0)  # 1: path beneath
+            finally:
+                os.close(target)
+        get_restrict_self()(fd, 0)
+    finally:
+        os.close(fd)
