@@ -126,3 +126,6 @@ def _binds_names_read_later(stmt: ast.stmt, later: list[ast.stmt]) -> bool:
         return False
     read = {n.id for s in later for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     return bool(bound & read)
+
+
+tests_for.__test__ = False  # a helper, not a pytest test (for test files that import it)
