@@ -59,7 +59,8 @@ class Worker:
             self.proc = subprocess.Popen(
                 [sys.executable, "-s", "-B", "-c", _BOOT, str(RUNTIME)], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, env=dict(_ENV), cwd=self.base_dir, close_fds=True, start_new_session=True)
-            frames.write_frame(self.proc.stdin.fileno(), {**self.settings, "base_dir": self.base_dir})
+            frames.write_frame(self.proc.stdin.fileno(), {**self.settings, "base_dir": self.base_dir,
+                                                           "sys_path": [p for p in sys.path if p]})
             self.report = frames.FrameReader(self.proc.stdout.fileno(), 1 << 20).read(time.monotonic() + 60)
         except (OSError, frames.Closed, frames.Timeout) as exc:
             self.stop()

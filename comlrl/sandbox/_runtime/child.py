@@ -66,11 +66,28 @@ def describe(exc: BaseException) -> str:
 
 # --- run ------------------------------------------------------------------------------------------
 
+def _end_with_zygote(z) -> None:
+    """Die with the zygote (and so end the request's PID namespace). Not possible where the init
+    was forked by a short-lived helper (its death would fire the signal at once): there the init's
+    own deadline and the judge's hang-up end the request."""
+    if not z.pid_helper:
+        osapi.prctl(osapi.PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _deadline(program: int, seconds: float) -> None:
+    """Kill the program and exit after ``seconds``, whatever the zygote does (a backstop)."""
+    def expire(signum, frame):
+        _kill_group(program)
+        os._exit(0)
+    signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, int(seconds + 0.999)))
+
+
 def init_run(z, code: str, workdir: str, stdin_fd: int, out_w: int, err_w: int, status_w: int, tag_w: int) -> None:
     """T of a run: fork the program, report its wait status on ``status_w``, exit."""
     _move_fds({stdin_fd: 0, out_w: 1, err_w: 2, status_w: 3, tag_w: 4})
     _close_other_fds({3, 4})
-    osapi.prctl(osapi.PR_SET_PDEATHSIG, signal.SIGKILL)  # the zygote gone: end the run (and its namespace)
+    _end_with_zygote(z)
     pid = os.fork()
     if pid == 0:
         os.close(3)
@@ -83,6 +100,7 @@ def init_run(z, code: str, workdir: str, stdin_fd: int, out_w: int, err_w: int, 
     os.close(4)
     for fd in (0, 1, 2):
         os.close(fd)
+    _deadline(pid, float(z.limits["timeout_s"]) + 5)
     while True:
         for child, status in _reap(block=True) or [(None, None)]:
             if child == pid:
@@ -152,7 +170,7 @@ def init_check(z, code: str, workdir: str, control: int, cpu_s: float) -> None:
     os.dup2(0, 1)
     os.dup2(0, 2)
     _close_other_fds({3})
-    osapi.prctl(osapi.PR_SET_PDEATHSIG, signal.SIGKILL)
+    _end_with_zygote(z)
     sock = socket.socket(fileno=3)
     current = None
     pending = b""

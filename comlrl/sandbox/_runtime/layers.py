@@ -44,7 +44,8 @@ class Zygote:
     reasons: dict[str, str] = field(default_factory=dict)   # mechanism -> why off
     uids: Optional[tuple[int, int]] = None                  # (program, judge) when dropping from root
     in_userns: bool = False
-    pid_ns_fd: Optional[int] = None
+    pid_ns_fd: Optional[int] = None   # root: our own PID namespace, to return to after each fork
+    pid_helper: bool = False          # user namespace: fork through a helper that unshares
     seccomp_filter: Any = None
     read_paths: tuple[str, ...] = ()
     nproc_floor: int = 0   # processes the program's user already has (RLIMIT_NPROC counts them too)
@@ -70,6 +71,8 @@ def _try(z: Zygote, name: str, disabled: set[str], action) -> bool:
 def setup(config: dict[str, Any]) -> Zygote:
     """Set the zygote up (once, before any fork): child subreaper, namespaces, mounts, filters."""
     z = Zygote(base_dir=config["base_dir"], limits=config["limits"])
+    # The trainer's import path (a PYTHONPATH, a venv): pyseccomp and landlock are found as there.
+    sys.path.extend(p for p in config.get("sys_path", ()) if p and p not in sys.path)
     disabled = set(config.get("disable", ()))
     osapi.prctl(osapi.PR_SET_CHILD_SUBREAPER, 1)  # orphans of a run come back here to be killed
     root = os.geteuid() == 0
@@ -99,7 +102,9 @@ def setup(config: dict[str, Any]) -> Zygote:
         if _try(z, "uid_drop", disabled, lambda: None):
             z.uids = (uid, uid + 1)
     if privileged:
-        _try(z, "pid_namespace", disabled, lambda: _probe_pid_namespace(z))
+        z.pid_helper = not root
+        if not _try(z, "pid_namespace", disabled, lambda: _probe_pid_namespace(z, root)):
+            z.pid_ns_fd, z.pid_helper = None, False
     else:
         z.active["pid_namespace"], z.reasons["pid_namespace"] = False, "needs root or a user namespace"
     if z.uids is not None:
@@ -200,31 +205,58 @@ def _expose(base_dir: str, hidden: dict[str, list[str]]) -> None:
         osapi.mount(staged, path, None, osapi.MS_BIND | osapi.MS_REC)
 
 
-def _probe_pid_namespace(z: Zygote) -> None:
-    z.pid_ns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY)
-    with new_pid_namespace(z):
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0 if os.getpid() == 1 else 1)
+def _probe_pid_namespace(z: Zygote, root: bool) -> str:
+    """Root switches its children's PID namespace with unshare + setns around each fork. In a user
+    namespace setns back is not allowed (the original namespace belongs to the parent user
+    namespace), so a short-lived helper unshares and forks instead (:func:`fork_in_new_pid_namespace`)."""
+    if root:
+        z.pid_ns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY)
+    pid = fork_in_new_pid_namespace(z, lambda: os._exit(0 if os.getpid() == 1 else 1))
     _, status = os.waitpid(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise OSError("the first process of a new PID namespace did not get PID 1")
+    return "unshare + setns" if root else "through a helper process"
 
 
-class new_pid_namespace:
-    """Processes forked inside the block start a fresh PID namespace (the first is its init); the
-    zygote's own later children go back to its namespace."""
-
-    def __init__(self, z: Zygote):
-        self.z = z
-
-    def __enter__(self):
-        if self.z.pid_ns_fd is not None:
+def fork_in_new_pid_namespace(z: Zygote, target) -> int:
+    """Fork ``target()`` as the first process (PID 1) of a new PID namespace; its PID here. Without
+    the PID-namespace layer, a plain fork."""
+    if z.pid_ns_fd is not None:
+        osapi.unshare(osapi.CLONE_NEWPID)
+        try:
+            return _fork(target)
+        finally:
+            osapi.setns(z.pid_ns_fd, osapi.CLONE_NEWPID)
+    if not z.pid_helper:
+        return _fork(target)
+    read, write = os.pipe()
+    helper = os.fork()
+    if helper == 0:
+        try:
+            os.close(read)
             osapi.unshare(osapi.CLONE_NEWPID)
+            os.write(write, str(_fork(target)).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    text = b""
+    while chunk := os.read(read, 64):
+        text += chunk
+    os.close(read)
+    os.waitpid(helper, 0)  # the helper is gone: its child is ours now (this process is a subreaper)
+    if not text:
+        raise OSError("the PID-namespace helper could not fork")
+    return int(text)
 
-    def __exit__(self, *exc):
-        if self.z.pid_ns_fd is not None:
-            osapi.setns(self.z.pid_ns_fd, osapi.CLONE_NEWPID)
+
+def _fork(target) -> int:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            target()
+        finally:
+            os._exit(71)
+    return pid
 
 
 # --- filters (built once, loaded per process) ------------------------------------------------------

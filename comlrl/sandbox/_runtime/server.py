@@ -67,18 +67,28 @@ def _remove(path: str) -> None:
     shutil.rmtree(path, onerror=unlock)
 
 
+def _entry(z, target, *args) -> None:
+    """The start of a forked request process; a bug in trusted code is shown on the worker's stderr."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        target(z, *args)
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+    finally:
+        os._exit(71)
+
+
 def _fork(z, target, *args) -> int:
     pid = os.fork()
     if pid == 0:
-        try:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            target(z, *args)
-        except BaseException:  # a bug in trusted code: say so on the worker's stderr
-            import traceback
-            traceback.print_exc()
-        finally:
-            os._exit(71)
+        _entry(z, target, *args)
     return pid
+
+
+def _fork_init(z, target, *args) -> int:
+    """The request's init: PID 1 of a new PID namespace where that layer is on."""
+    return layers.fork_in_new_pid_namespace(z, lambda: _entry(z, target, *args))
 
 
 def _run(z, header: dict[str, Any]) -> dict[str, Any]:
@@ -92,8 +102,7 @@ def _run(z, header: dict[str, Any]) -> dict[str, Any]:
     status_r, status_w = os.pipe()
     tag_r, tag_w = os.pipe()
     start = time.monotonic()
-    with layers.new_pid_namespace(z):
-        init = _fork(z, child.init_run, header["code"], workdir, stdin_fd, out_w, err_w, status_w, tag_w)
+    init = _fork_init(z, child.init_run, header["code"], workdir, stdin_fd, out_w, err_w, status_w, tag_w)
     for fd in (stdin_fd, out_w, err_w, status_w, tag_w):
         os.close(fd)
     try:
@@ -181,12 +190,11 @@ def _check(z, header: dict[str, Any]) -> dict[str, Any]:
     mine, theirs = socket.socketpair()
     start = time.monotonic()
     cpu_s = float(limits["timeout_s"]) * (count + 1)
-    with layers.new_pid_namespace(z):
-        init = _fork(z, child.init_check, header["code"], workdir, theirs.fileno(), cpu_s)
-        body = frames.read_frame(0)  # the tests: read only now, after the init (and so every program) forked
-        report_r, report_w = os.pipe()
-        judge_pid = _fork(z, judge.judge_main, body["tests"], body.get("setup", ""), mine.fileno(), report_w,
-                          int(header.get("max_timeouts", 3)))
+    init = _fork_init(z, child.init_check, header["code"], workdir, theirs.fileno(), cpu_s)
+    body = frames.read_frame(0)  # the tests: read only now, after the init (and so every program) forked
+    report_r, report_w = os.pipe()
+    judge_pid = _fork(z, judge.judge_main, body["tests"], body.get("setup", ""), mine.fileno(), report_w,
+                      int(header.get("max_timeouts", 3)))
     mine.close()
     theirs.close()
     os.close(report_w)
@@ -226,10 +234,10 @@ def _kill_all(z, init: int, *others: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    if z.pid_ns_fd is None:
+    if not z.active.get("pid_namespace"):
         _sweep()
-    # The judge first: a dying init waits until every process of its namespace is reaped, the
-    # judge too, whose parent is this process.
+    # The judge first (were it inside the namespace, a dying init would wait for its parent, this
+    # process, to reap it).
     for pid in (*others, init):
         try:
             os.waitpid(pid, 0)
