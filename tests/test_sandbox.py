@@ -234,12 +234,18 @@ def test_fresh_working_directory_removed_afterwards(box):
     assert again.stdout.strip() != where
 
 
+def planted(folder: Path, name: str, text: str, mode: int) -> Path:
+    """A file the program's user could reach by permissions alone (``mode`` for it and its folder)."""
+    path = folder / name
+    path.write_text(text)
+    os.chmod(folder, mode | 0o111)
+    os.chmod(path, mode)
+    return path
+
+
 def test_no_writes_outside_the_working_directory(box, tmp_path):
     need(box, "filesystem")
-    target = tmp_path / "victim.txt"
-    target.write_text("safe")
-    os.chmod(tmp_path, 0o777)
-    os.chmod(target, 0o666)
+    target = planted(tmp_path, "victim.txt", "safe", 0o666)
     result = box.run(code(f"""
         import os
         for path in [{str(target)!r}, {str(tmp_path / 'new.txt')!r}, '/tmp/comlrl-sandbox-escape.txt']:
@@ -256,10 +262,7 @@ def test_no_writes_outside_the_working_directory(box, tmp_path):
 
 def test_user_files_cannot_be_read(box, tmp_path):
     need(box, "file_reads")
-    secret = tmp_path / "netrc"
-    secret.write_text("machine api.wandb.ai password hunter2")
-    os.chmod(tmp_path, 0o755)
-    os.chmod(secret, 0o644)
+    secret = planted(tmp_path, "netrc", "machine api.wandb.ai password hunter2", 0o644)
     result = box.run(f"print(open({str(secret)!r}).read())")
     assert "hunter2" not in result.stdout and result.status == "error"
 
