@@ -553,8 +553,9 @@ def test_a_worker_killed_from_outside_comes_back(request):
 
 
 def _nobody_python(env):
-    """An interpreter of this Python version that uid 65534 can run, with this test run's packages
-    on its path; None if there is none."""
+    """An interpreter of this Python version that uid 65534 can run (and that can start itself
+    again: the sandbox's workers run sys.executable), with this test run's packages on its path;
+    None if there is none."""
     import shutil
     import subprocess
     import sys
@@ -562,7 +563,8 @@ def _nobody_python(env):
     version = f"python{sys.version_info.major}.{sys.version_info.minor}"
     for candidate in (sys.executable, shutil.which(version, path="/usr/local/bin:/usr/bin:/bin")):
         if candidate and subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", candidate,
-                                         "-c", "import comlrl.sandbox, pytest"], env=env,
+                                         "-c", "import comlrl.sandbox, pytest, subprocess, sys; "
+                                         "subprocess.run([sys.executable, '-c', ''], check=True)"], env=env,
                                         capture_output=True).returncode == 0:
             return candidate
     return None

@@ -303,10 +303,14 @@ def _probe_landlock() -> str:
 
 
 def _read_paths() -> tuple[str, ...]:
-    """Where a program may read: the system's and Python's own files, nothing of the user's."""
-    paths = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", sys.prefix, sys.base_prefix,
-             sys.exec_prefix, sys.base_exec_prefix]
-    paths += [p for p in sys.path if p and os.path.isdir(p)]
+    """Where a program may read: the system's and Python's own files (the interpreter's prefixes and
+    package folders on its path), nothing of the user's: not the working directory or a project
+    folder on the path, which may hold checkpoints or keys."""
+    prefixes = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    paths = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", *prefixes]
+    paths += [p for p in sys.path if p and os.path.isdir(p) and (
+        os.path.basename(p.rstrip("/")) in ("site-packages", "dist-packages")
+        or any(os.path.realpath(p).startswith(os.path.realpath(q) + "/") for q in prefixes))]
     real = []
     for p in paths:
         if os.path.exists(p):
