@@ -54,6 +54,8 @@ class _Program:
         self.gen += 1
         self.control.sendall(f"spawn {self.gen}\n".encode())
         _, fds, _, _ = socket.recv_fds(self.control, 16, 2)
+        if len(fds) != 2:  # the init is gone (killed by the program, or out of time)
+            raise frames.Closed("the request's init did not answer")
         self.req_w, resp_r = fds
         self.reader = frames.LineReader(resp_r, self.limit)
         while True:
