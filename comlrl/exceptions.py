@@ -13,6 +13,8 @@ built-in exception a Python user would try first (``ValueError``, ``TypeError``)
     ├── TrainingError          (RuntimeError) training cannot go on: a non-finite loss or gradient,
     │   │                                     a trainer used after close(), ...
     │   └── ComparatorError                  a preference comparator (e.g. an HTTP API) gave no answer
+    ├── SandboxError           (RuntimeError) comlrl.sandbox cannot run code as asked: a required
+    │                                         isolation layer is unavailable, or a worker cannot start
     └── CheckpointError        (ValueError)  a checkpoint is missing, incomplete, corrupted or tampered
         ├── CheckpointDirError               checkpoint_dir holds another run's checkpoints
         └── ResumeMismatchError              resuming with settings that must not change
@@ -29,6 +31,7 @@ __all__ = [
     "TransitionError",
     "TrainingError",
     "ComparatorError",
+    "SandboxError",
     "CheckpointError",
     "CheckpointDirError",
     "ResumeMismatchError",
@@ -90,3 +93,8 @@ class ResumeMismatchError(CheckpointError):
             "Only num_train_epochs, devices, logging / evaluation settings and checkpoint settings may "
             "change on resume. Restore the items above, or start a fresh run in a new checkpoint_dir."
         )
+
+
+class SandboxError(ComlrlError, RuntimeError):
+    """:mod:`comlrl.sandbox` cannot run code as asked: an isolation layer named in ``require`` is not
+    available on this machine, a worker process cannot start, or the sandbox was closed."""

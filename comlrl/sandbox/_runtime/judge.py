@@ -1,0 +1,240 @@
+"""The judge (J): runs each test in its own process, calling the program's functions over a pipe.
+
+Trust comes from the process boundary. The program's code never runs here: a test's
+``assert candidate(x) == y`` is evaluated by the judge with its own builtins and modules, on a
+value rebuilt from plain data (:mod:`.codec`). So a program that exits, kills processes, prints
+fake results, patches builtins or returns an object with a rigged ``__eq__`` can fail tests but not
+pass them. A test passes only when the judge saw it run to the end; the result goes to the zygote
+on a pipe the program never holds.
+"""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import os
+import random
+import signal
+import socket
+import time
+import traceback
+from typing import Any, Optional
+
+from . import codec, frames, layers
+from .child import _close_other_fds, _move_fds, describe
+
+__all__ = ["judge_main"]
+
+# Names a program may not shadow in the tests' namespace.
+_RESERVED = set(dir(builtins)) | {"candidate"}
+
+
+class _TestTimeout(BaseException):
+    """The test ran out of time (a BaseException, so a test's ``except Exception`` cannot swallow it)."""
+
+
+class _ProgramGone(Exception):
+    """The program exited or was killed during a call."""
+
+
+class _Program:
+    """The current program process: spawned through the init, called over two pipes."""
+
+    def __init__(self, control: socket.socket, limit: int):
+        self.control, self.limit = control, limit
+        self.gen, self.ids = 0, itertools.count()
+        self.req_w: Optional[int] = None
+        self.reader: Optional[frames.LineReader] = None
+        self.deadline: Optional[float] = None
+        self.last_call = ""
+
+    def spawn(self, deadline: float) -> dict[str, Any]:
+        """A fresh program; its hello message (names, or the load error)."""
+        self.close()
+        self.gen += 1
+        self.control.sendall(f"spawn {self.gen}\n".encode())
+        _, fds, _, _ = socket.recv_fds(self.control, 16, 2)
+        if len(fds) != 2:  # the init is gone (killed by the program, or out of time)
+            raise frames.Closed("the request's init did not answer")
+        self.req_w, resp_r = fds
+        self.reader = frames.LineReader(resp_r, self.limit)
+        while True:
+            hello = self.reader.read(deadline)
+            if isinstance(hello, dict) and hello.get("gen") == self.gen:
+                return hello
+
+    def close(self) -> None:
+        if self.req_w is not None:
+            os.close(self.req_w)
+            os.close(self.reader.fd)
+            self.req_w = self.reader = None
+
+    def call(self, name: str, args: tuple, kwargs: dict) -> Any:
+        try:
+            payload = {"args": codec.encode(list(args)), "kwargs": codec.encode(kwargs)}
+        except (codec.Unsupported, RecursionError) as exc:
+            raise TypeError(f"a test passed {exc} to {name}(); only built-in values cross to the program") from None
+        if self.req_w is None:
+            raise _ProgramGone("the program is not running")
+        call_id = next(self.ids)
+        self.last_call = f"{name}({_short_args(args, kwargs)})"
+        try:
+            frames.write_line(self.req_w, {"gen": self.gen, "id": call_id, "name": name, **payload})
+            while True:
+                reply = self.reader.read(self.deadline)
+                if isinstance(reply, dict) and reply.get("gen") == self.gen and reply.get("id") == call_id:
+                    break
+        except frames.Timeout:
+            raise _TestTimeout() from None
+        except (frames.Closed, BrokenPipeError):
+            self.close()
+            raise _ProgramGone(f"the program exited or was killed during {self.last_call}") from None
+        if "error" in reply:
+            raise _program_error(reply["error"], self.last_call)
+        value = codec.decode(reply.get("value"))
+        self.last_call += f" returned {_short(value)}"
+        return value
+
+
+def _short(value: Any, size: int = 120) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # e.g. an int past Python's digit limit for str()
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= size else text[:size] + "..."
+
+
+def _short_args(args: tuple, kwargs: dict) -> str:
+    parts = [_short(a, 60) for a in args] + [f"{k}={_short(v, 60)}" for k, v in kwargs.items()]
+    return _short(", ".join(parts), 160).strip("'")
+
+
+def _program_error(error: Any, call: str) -> Exception:
+    """The program's exception as one of the same built-in type (so a test expecting ValueError
+    sees one), else a RuntimeError; the message says which call raised it."""
+    name, text = (error + ["", ""])[:2] if isinstance(error, list) else ("Error", str(error))
+    kind = getattr(builtins, str(name), None)
+    message = f"{call} raised {text}"
+    if isinstance(kind, type) and issubclass(kind, Exception) and kind is not _TestTimeout:
+        try:
+            return kind(message)
+        except Exception:
+            pass
+    return RuntimeError(message)
+
+
+def _stub(program: _Program, name: str):
+    def call(*args, **kwargs):
+        return program.call(name, args, kwargs)
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def _namespace(program: _Program, hello: dict[str, Any]) -> dict[str, Any]:
+    names = hello.get("names") or {}
+    out: dict[str, Any] = {}
+    for name, data in (names.get("values") or {}).items():
+        if isinstance(name, str) and name.isidentifier() and name not in _RESERVED:
+            try:
+                out[name] = codec.decode(data)
+            except (ValueError, TypeError, RecursionError):
+                pass
+    for name in names.get("functions") or []:
+        if isinstance(name, str) and name.isidentifier() and name not in _RESERVED:
+            out[name] = _stub(program, name)
+    return out
+
+
+def _on_alarm(signum, frame):
+    raise _TestTimeout()
+
+
+def _failure_message(exc: BaseException, source: str, program: _Program) -> str:
+    line = ""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if frame.filename == "<test>" and frame.lineno:
+            lines = source.splitlines()
+            line = lines[frame.lineno - 1].strip() if frame.lineno <= len(lines) else ""
+            break
+    text = describe(exc)
+    if isinstance(exc, AssertionError):
+        text = "AssertionError" + (f": {exc}" if str(exc) else "")
+        if program.last_call and " returned " in program.last_call:
+            text += f" ({program.last_call})"
+    return f"{line}: {text}" if line else text
+
+
+def _run_one(program: _Program, base: dict[str, Any], setup: str, test: str, timeout_s: float) -> tuple[str, str]:
+    program.deadline = time.monotonic() + timeout_s
+    program.last_call = ""
+    namespace = {"__name__": "__test__", "__builtins__": builtins, **base}
+    random.seed(0)  # tests that draw random inputs draw the same ones every time
+    signal.setitimer(signal.ITIMER_REAL, timeout_s + 0.5)
+    try:
+        if setup:
+            exec(compile(setup, "<setup>", "exec"), namespace)
+        exec(compile(test, "<test>", "exec"), namespace)
+        return "passed", ""
+    except _TestTimeout:
+        return "timeout", f"no result within {timeout_s:g} s" + (f" (during {program.last_call})"
+                                                                if program.last_call else "")
+    except AssertionError as exc:
+        return "failed", _failure_message(exc, test, program)
+    except BaseException as exc:  # the program's error, a crash, or a broken test
+        return "error", _failure_message(exc, test, program)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def judge_main(z, tests: list[str], setup: str, control: int, report: int, max_timeouts: int) -> None:
+    """J: spawn the program, run every test, report each result (``{"i", "status", "message"}``)
+    on ``report`` as soon as it is known, then ``{"done": true}``."""
+    null = os.open(os.devnull, os.O_RDWR)
+    _move_fds({null: 0, control: 3, report: 4})
+    os.dup2(0, 1)
+    os.dup2(0, 2)
+    _close_other_fds({3, 4})
+    control, report = 3, 4
+    layers.restrict(z, "judge", None, z.limits["timeout_s"] * (len(tests) + 2), max(z.limits["memory_mb"], 512))
+    signal.signal(signal.SIGALRM, _on_alarm)
+    timeout_s = float(z.limits["timeout_s"])
+    program = _Program(socket.socket(fileno=control), int(z.limits["max_output_bytes"]))
+    base: Optional[dict[str, Any]] = None
+    timeouts, load_failure = 0, None
+    for i, test in enumerate(tests):
+        if load_failure is None and base is None and timeouts < max_timeouts:
+            base, *failure = _load(program, timeout_s)
+            load_failure = tuple(failure) if base is None else None  # loading again would fail again
+        if load_failure is not None:
+            status, message = load_failure
+        elif timeouts >= max_timeouts:
+            status, message = "timeout", f"not run: {timeouts} tests already timed out"
+        else:
+            status, message = _run_one(program, base, setup, test, timeout_s)
+            if status == "timeout":
+                timeouts += 1
+                program.close()  # the init kills it when the next one is spawned
+            if not _alive(program):
+                base = None
+        frames.write_frame(report, {"i": i, "status": status, "message": message})
+    frames.write_frame(report, {"done": True})
+    os._exit(0)
+
+
+def _alive(program: _Program) -> bool:
+    return program.req_w is not None
+
+
+def _load(program: _Program, timeout_s: float) -> tuple[Optional[dict[str, Any]], str, str]:
+    try:
+        hello = program.spawn(time.monotonic() + timeout_s)
+    except frames.Timeout:
+        program.close()
+        return None, "timeout", f"the program did not finish loading within {timeout_s:g} s"
+    except (frames.Closed, OSError) as exc:
+        program.close()
+        return None, "error", f"the program exited or was killed while loading ({describe(exc)})"
+    if "load_error" in hello:
+        program.close()
+        return None, "error", f"the program failed to load: {hello['load_error']}"
+    return _namespace(program, hello), "", ""
