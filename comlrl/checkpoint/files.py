@@ -39,7 +39,8 @@ from .._io import fsync_dir, fsync_tree, move_into_place
 from ..exceptions import CheckpointError
 
 __all__ = ["FORMAT_VERSION", "STATE_FILE", "MANIFEST_FILE", "RNG_FILE", "DATA_FILE", "Snapshot", "checkpoint_path",
-           "checkpoint_number", "list_checkpoints", "read_manifest", "read_state", "verify", "snapshot",
+           "checkpoint_number", "checkpoint_entries", "is_committed", "list_checkpoints", "foreign_checkpoints",
+           "looks_like", "read_manifest", "read_state", "verify", "snapshot",
            "write_checkpoint", "load_module", "load_optimizer", "load_tensors", "remove_checkpoints"]
 
 FORMAT_VERSION = 2
@@ -63,18 +64,54 @@ def checkpoint_number(path: str | os.PathLike) -> int:
     return int(match.group(1))
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Committed ``checkpoint-N`` directories (holding a manifest), oldest first by N. Nothing is
-    verified here (see :func:`verify`)."""
+def checkpoint_entries(directory: str | os.PathLike) -> list[Path]:
+    """Every entry of ``directory`` named ``checkpoint-N`` (whatever it is), oldest first by N."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = []
-    for child in directory.iterdir():
-        match = _NAME.match(child.name)
-        if match and child.is_dir() and not child.is_symlink() and (child / MANIFEST_FILE).is_file():
-            found.append((int(match.group(1)), child))
+    found = [(int(m.group(1)), child) for child in directory.iterdir() if (m := _NAME.match(child.name))]
     return [path for _, path in sorted(found)]
+
+
+def is_committed(path: Path) -> bool:
+    """Whether ``path`` is a committed comlrl checkpoint: a real directory (not a link) holding a
+    manifest. Nothing is verified here (see :func:`verify`)."""
+    return path.is_dir() and not path.is_symlink() and (path / MANIFEST_FILE).is_file()
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Committed ``checkpoint-N`` directories (holding a manifest), oldest first by N. Nothing is
+    verified here (see :func:`verify`)."""
+    return [path for path in checkpoint_entries(directory) if is_committed(path)]
+
+
+# What other trainers leave in their checkpoint-N folders, to name them in an error.
+_HF_TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "pytorch_model.bin",
+                     "model.safetensors", "adapter_model.safetensors")
+
+
+def foreign_checkpoints(directory: str | os.PathLike) -> list[tuple[Path, str]]:
+    """``checkpoint-N`` entries of ``directory`` that are not committed comlrl checkpoints (no
+    manifest: CoMLRL 1.4.3's, the Hugging Face Trainer's, a copy whose manifest was lost, the
+    user's own folder or file, a symbolic link), oldest first by N, each with what it looks like."""
+    return [(path, looks_like(path)) for path in checkpoint_entries(directory) if not is_committed(path)]
+
+
+def looks_like(path: Path) -> str:
+    """What a ``checkpoint-N`` entry without a manifest appears to be, for an error message."""
+    if path.is_symlink():
+        return f"a symbolic link to {os.readlink(path)}"
+    if not path.is_dir():
+        return "a file"
+    names = sorted(p.name for p in path.iterdir())
+    if "training_state.pt" in names:
+        return "written by CoMLRL 1.4.3 (training_state.pt)"
+    if RNG_FILE in names or any(_SLOT.match(n) for n in names):
+        return f"a comlrl checkpoint whose {MANIFEST_FILE} is missing (an interrupted copy, or the manifest was lost)"
+    if any(n in _HF_TRAINER_FILES for n in names):
+        return f"written by the Hugging Face Trainer ({', '.join(n for n in names if n in _HF_TRAINER_FILES)})"
+    return f"not a comlrl checkpoint (no {MANIFEST_FILE}; it holds {', '.join(names[:4]) or 'nothing'}" + \
+        (", ...)" if len(names) > 4 else ")")
 
 
 def _sha256(path: Path) -> str:

@@ -89,6 +89,38 @@ def _state_of(path: Path) -> Optional[dict[str, Any]]:
         return None
 
 
+def _refuse_foreign(directory: Path, resumed_number: Optional[int]) -> None:
+    """Refuse a directory holding ``checkpoint-N`` entries this run did not write (they are never
+    deleted or replaced): any, for a fresh run; for a resumed one, those it would write over
+    (numbers above the checkpoint resumed from). A CoMLRL 1.4.3 checkpoint resumed from in its own
+    directory, and older ones beside it, stay where they are, untouched."""
+    for path, what in files.foreign_checkpoints(directory):
+        if resumed_number is None:
+            raise CheckpointDirError(
+                f"{directory} holds {path.name}, {what}, which this run did not write; nothing was touched. A fresh "
+                "run needs a checkpoint_dir without checkpoint-N entries of others: use an empty checkpoint_dir or "
+                f"move {path.name} away (to continue a CoMLRL 1.4.3 run, pass its checkpoint as "
+                "resume_from_checkpoint).")
+        if files.checkpoint_number(path) > resumed_number:
+            raise CheckpointDirError(
+                f"{directory} holds {path.name}, {what}; resuming from checkpoint-{resumed_number} would later write "
+                f"a {path.name} of its own there, and comlrl never replaces what a run did not write. Nothing was "
+                f"touched: move {path.name} away or use another checkpoint_dir.")
+
+
+def _refuse_replacing(path: Path, run_id: str) -> None:
+    """``path`` (a checkpoint about to be written) may be replaced only when it is a checkpoint of
+    this run whose manifest and state verify."""
+    if not os.path.lexists(path):
+        return
+    state = _state_of(path) if path.is_dir() and not path.is_symlink() else None
+    if state is None or state["run_id"] != run_id:
+        owner = ("not a checkpoint of this run (another run's)" if state is not None
+                 else "not a checkpoint (or one that does not verify)")
+        raise CheckpointDirError(f"{path} exists and is {owner}; comlrl never replaces what this run did not write, "
+                                 "and nothing was written. Move it away or choose another directory.")
+
+
 class CheckpointManager:
     """Checkpoints of one run in one directory.
 
@@ -126,6 +158,7 @@ class CheckpointManager:
         self.directory = directory.resolve()
 
     def _claim(self, directory: Path, run_id: str, resumed_number: Optional[int]) -> None:
+        _refuse_foreign(directory, resumed_number)
         newer = []
         for existing in files.list_checkpoints(directory):
             state = _state_of(existing)
@@ -143,7 +176,8 @@ class CheckpointManager:
                            "redoes them)", resumed_number, ", ".join(p.name for p in newer))
             files.remove_checkpoints(newer)
         for stale in list(directory.glob(".tmp-checkpoint-*")) + list(directory.glob(".old-checkpoint-*")):
-            shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted save or prune
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted save or prune
 
     def release(self) -> None:
         """Wait for the pending write, then unlock the directory."""
@@ -168,6 +202,7 @@ class CheckpointManager:
         if not self.is_main:
             return path
         self.wait()  # checkpoints commit in order; an earlier failure surfaces here
+        _refuse_replacing(path, run_id)
         snap = self._snapshot(number, record, slots, rng_states)
         self._last = snap if snap.nbytes() <= REUSE_SNAPSHOT_BYTES else None
         if self._writer is None:
@@ -190,9 +225,7 @@ class CheckpointManager:
                     rng_states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> Path:
         """Write a checkpoint now, synchronously, under any directory name (``save_checkpoint``)."""
         target = Path(target)
-        if target.is_symlink() or (target.exists() and not (target / files.MANIFEST_FILE).is_file()):
-            raise CheckpointError(f"save_checkpoint: {target} exists and is not a checkpoint; nothing was written. "
-                                  "Choose a new directory.")
+        _refuse_replacing(target, record["run_id"])
         snap = self._snapshot(number, record, slots, rng_states)
         return files.write_checkpoint(target.parent, snap, name=target.name)
 
