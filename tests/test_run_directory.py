@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from comlrl import CheckpointDirError, CheckpointError
+from comlrl import CheckpointDirError, CheckpointError, ConfigError
 from comlrl.checkpoint import files
 from comlrl.checkpoint.lock import LOCK_FILE, DirectoryLock
 from comlrl.utils import find_latest_checkpoint, read_checkpoint_metadata
 
-from helpers import rows
+from helpers import SEED_PROMPTS, length_ratio_reward, rows
 
 FIXTURE = Path(__file__).parent / "fixtures" / "comlrl143"
 
@@ -214,3 +214,67 @@ def test_resuming_in_place_still_drops_only_its_own_redone_rows(make_trainer, tm
     assert not list(run.glob("metrics.*.jsonl"))
     assert [r["env_step"] for r in rows(run)] == [4 * i for i in range(1, 13)]
     assert read_checkpoint_metadata(run / "checkpoint-3")["env_step"] == 48
+
+
+# --- exports: nothing replaced that export did not write -------------------------------------------
+
+def test_save_model_never_replaces_what_it_did_not_write(make_trainer, tmp_path, monkeypatch):
+    trainer = make_trainer(num_train_epochs=1)
+    out = tmp_path / "out"
+    (out / "agent_0").mkdir(parents=True)
+    (out / "agent_0" / "my_notes.txt").write_text("the user's own agent_0")
+    with pytest.raises(ConfigError, match="holds more than agent_\\* / critic folders that an export wrote \\(agent_0\\)"):
+        trainer.save_model(out)
+    assert (out / "agent_0" / "my_notes.txt").read_text() == "the user's own agent_0"
+    # `comlrl export CK .`: an empty working directory is written into, never renamed or removed.
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    trainer.save_model(".")
+    trainer.save_model(".")  # its own earlier export: replaced folder by folder
+    assert sorted(p.name for p in here.iterdir()) == [".comlrl-export.json", "agent_0", "agent_1"]
+    (here / "mine.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="mine.txt"):
+        trainer.save_model(".")
+    assert (here / "agent_0" / "config.json").is_file() and (here / "mine.txt").read_text() == "mine"
+    (tmp_path / "link").symlink_to(here, target_is_directory=True)
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        trainer.save_model(tmp_path / "link")
+
+
+# --- 6. policy snapshots of the history comparator are the run's own -----------------------------------
+
+def _history_run(model_path, tokenizer, tmp_path, seed=0, **settings):
+    from comlrl.trainers.preference import MADPOIterConfig, MADPOIterTrainer
+
+    args = dict(num_train_epochs=1, num_iterations=3, preference_num_candidates=2, preference_pairs_per_sample=2,
+                max_new_tokens=6, temperature=1.0, top_p=1.0, train_batch_size=2, eval_interval=0, logging_steps=1,
+                comparator_policy="history", comparator_history_k=1, seed=seed, agent_learning_rate=1e-3,
+                output_dir=str(tmp_path / f"out-{seed}"), policy_checkpoint_dir=str(tmp_path / "shared-snapshots"))
+    args.update(settings)
+    return MADPOIterTrainer(agent_model=str(model_path), tokenizer=tokenizer, reward_func=length_ratio_reward,
+                            train_dataset=[{"prompt": p} for p in SEED_PROMPTS[:2]], args=MADPOIterConfig(**args))
+
+
+def test_history_snapshots_are_bound_to_their_run(model_path, tokenizer, tmp_path):
+    from helpers import assert_bit_exact, state_of
+
+    full = _history_run(model_path, tokenizer, tmp_path)
+    full.train(checkpoint_dir=tmp_path / "full")
+    first = _history_run(model_path, tokenizer, tmp_path, num_iterations=2)
+    first.train(checkpoint_dir=tmp_path / "first")
+    # A second run sharing the snapshot folder writes its own: the first run's are untouched.
+    _history_run(model_path, tokenizer, tmp_path, seed=1).train(checkpoint_dir=tmp_path / "second")
+    assert len(list((tmp_path / "shared-snapshots").iterdir())) == 3  # full, first, second: a folder each
+    resumed = _history_run(model_path, tokenizer, tmp_path)
+    latest = find_latest_checkpoint(tmp_path / "first")
+    resumed.train(resume_from_checkpoint=latest, checkpoint_dir=tmp_path / "first")
+    assert_bit_exact(state_of(full), state_of(resumed))
+    # A changed snapshot, or another run's put in its place, is refused by name.
+    mine = tmp_path / "shared-snapshots" / f"run-{first.run_id[:8]}" / "iteration_0001"
+    weights = mine / "agent_0" / "model.safetensors"
+    original = weights.read_bytes()
+    weights.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match="iteration_0001 is not the one this run saved .*agent_0/model.safetensors"):
+        _history_run(model_path, tokenizer, tmp_path).train(
+            resume_from_checkpoint=latest, checkpoint_dir=tmp_path / "again")

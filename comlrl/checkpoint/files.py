@@ -40,7 +40,7 @@ from ..exceptions import CheckpointError
 
 __all__ = ["FORMAT_VERSION", "STATE_FILE", "MANIFEST_FILE", "RNG_FILE", "DATA_FILE", "Snapshot", "checkpoint_path",
            "checkpoint_number", "checkpoint_entries", "is_committed", "list_checkpoints", "foreign_checkpoints",
-           "looks_like", "read_manifest", "read_state", "verify", "snapshot",
+           "looks_like", "tree_hashes", "read_manifest", "read_state", "verify", "snapshot",
            "write_checkpoint", "load_module", "load_optimizer", "load_tensors", "remove_checkpoints"]
 
 FORMAT_VERSION = 2
@@ -120,6 +120,19 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def tree_hashes(root: str | os.PathLike) -> dict[str, str]:
+    """``{relative path: sha256}`` of every regular file below ``root``; a symbolic link is not
+    followed but listed as ``"link:<its target>"``, which no file's hash equals."""
+    root = Path(root)
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_symlink():
+            out[path.relative_to(root).as_posix()] = "link:" + os.readlink(path)
+        elif path.is_file():
+            out[path.relative_to(root).as_posix()] = _sha256(path)
+    return out
 
 
 def _canonical(value: Any) -> bytes:

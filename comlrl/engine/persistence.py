@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -13,7 +14,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from .._io import fsync_tree, move_into_place
+from .._io import atomic_write_text, fsync_dir, fsync_tree, move_into_place, refuse_link
 from ..checkpoint.fingerprint import (callable_fingerprint, dataset_fingerprint, model_fingerprint,
                                       tokenizer_fingerprint)
 from ..checkpoint.manager import CheckpointManager
@@ -178,39 +179,111 @@ class Persistence:
     def save_model(self, output_dir: Union[str, os.PathLike], merge_adapters: bool = False) -> Path:
         """Write every agent as a standard transformers directory ``output_dir/agent_i`` with its
         tokenizer (``AutoModelForCausalLM.from_pretrained`` loads it). LoRA agents are written as PEFT
-        adapter directories, or with ``merge_adapters=True`` as plain models. Written to a hidden
-        sibling and renamed into place; under torchrun every process calls it and rank 0 writes."""
+        adapter directories, or with ``merge_adapters=True`` as plain models. A new ``output_dir`` is
+        written to a hidden sibling and renamed into place; an existing one only when it holds
+        nothing but an earlier export (recorded in ``.comlrl-export.json``), each folder replaced
+        whole: what an export did not write is never replaced. Under torchrun every process calls
+        it and rank 0 writes."""
         if not isinstance(merge_adapters, bool):
             raise ConfigError(f"merge_adapters must be True or False, got {merge_adapters!r}.")
         return dist.main_process_first_result(lambda: _write_agents(Path(output_dir), self._exported(),
-                                                                    merge_adapters), self.dist)
+                                                                    merge_adapters, self.run_id), self.dist)
 
     def _exported(self) -> list[tuple[str, torch.nn.Module, Any]]:
         """``(folder, model, tokenizer)`` of everything :meth:`save_model` writes."""
         return [(f"agent_{i}", m, t) for i, (m, t) in enumerate(zip(self.agents, self.tokenizers))]
 
 
-def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool) -> Path:
+EXPORT_RECORD = ".comlrl-export.json"  # in an export folder: what the export wrote, and for which run
+
+
+def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool,
+                  run_id: Optional[str] = None) -> Path:
+    """Write ``exported`` as ``target/<folder>`` directories with a record of what was written
+    (:data:`EXPORT_RECORD`). A new ``target`` appears whole or not at all; an existing one is
+    written into only when it holds nothing but an earlier export (each agent folder swapped
+    whole): what export did not write is never replaced."""
+    folders = [folder for folder, _, _ in exported]
+    earlier = _earlier_export(target)
+    if earlier is None:
+        tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            for folder, model, tokenizer in exported:
+                _save_agent(tmp / folder, model, tokenizer, merge_adapters)
+            _write_record(tmp, folders, run_id)
+            fsync_tree(tmp)
+            os.rename(tmp, target)
+            fsync_dir(target.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return target
+    _write_record(target, sorted(set(folders) | set(earlier)), run_id)  # a crash below leaves nothing unlisted
+    for folder, model, tokenizer in exported:
+        tmp = target / f".tmp-{folder}-{uuid.uuid4().hex[:8]}"
+        try:
+            _save_agent(tmp, model, tokenizer, merge_adapters)
+            fsync_tree(tmp)
+            move_into_place(tmp, target / folder)  # the earlier folder is removed once the new one is whole
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    remove = [target / f for f in earlier if f not in folders]
+    _write_record(target, folders, run_id)
+    for path in remove:
+        shutil.rmtree(path, ignore_errors=True)
+    return target
+
+
+def _save_agent(folder: Path, model: torch.nn.Module, tokenizer: Any, merge_adapters: bool) -> None:
     from ..adapters import AdapterAgent
     from ..models.actor_critic import unwrap_policy
 
-    if target.exists() and (not target.is_dir() or any(not re.fullmatch(r"agent_\d+|critic(_\d+)?", p.name)
-                                                       for p in target.iterdir())):
-        raise ConfigError(f"save_model: {target} exists and holds more than agent_* / critic folders (metrics, "
-                          "checkpoints?); nothing was written. Choose an empty or new directory.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    if isinstance(unwrap_policy(model), AdapterAgent):
+        model.save_pretrained(folder, merged=merge_adapters)
+    else:
+        model.save_pretrained(folder)
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(folder)
+
+
+def _write_record(folder: Path, folders: list[str], run_id: Optional[str]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(folder / EXPORT_RECORD, json.dumps({"written_by": "comlrl save_model", "folders": folders,
+                                                          "run_id": run_id}, indent=1))
+
+
+def export_record(folder: Path) -> Optional[dict[str, Any]]:
+    """What an export wrote into ``folder`` (``{"folders", "run_id"}``), or None when ``folder``
+    holds no valid record."""
     try:
-        for folder, model, tokenizer in exported:
-            if isinstance(unwrap_policy(model), AdapterAgent):
-                model.save_pretrained(tmp / folder, merged=merge_adapters)
-            else:
-                model.save_pretrained(tmp / folder)
-            if hasattr(tokenizer, "save_pretrained"):
-                tokenizer.save_pretrained(tmp / folder)
-        fsync_tree(tmp)
-        move_into_place(tmp, target)  # replaces an earlier save_model only after the new one is whole
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+        record = json.loads((folder / EXPORT_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    folders, run_id = (record.get("folders"), record.get("run_id")) if isinstance(record, dict) else (None, None)
+    if not isinstance(folders, list) or not all(isinstance(f, str) and _EXPORTED.fullmatch(f) for f in folders) \
+            or not (run_id is None or isinstance(run_id, str)):
+        return None
+    return {"folders": folders, "run_id": run_id}
+
+
+_EXPORTED = re.compile(r"agent_\d+|critic(_\d+)?")
+
+
+def _earlier_export(target: Path) -> Optional[list[str]]:
+    """None when ``target`` does not exist; the folders of an earlier export (none for an empty
+    directory) when that is all it holds; else a ConfigError naming what is in the way."""
+    refuse_link(target, "save_model: the target", ConfigError)
+    if not target.exists():
+        return None
+    if not target.is_dir():
+        raise ConfigError(f"save_model: {target} exists and is not a directory; nothing was written. Choose an empty "
+                          "or new directory.")
+    record = export_record(target)
+    ours = set(record["folders"]) | {EXPORT_RECORD} if record is not None else set()
+    foreign = sorted(p.name for p in target.iterdir() if p.name not in ours)
+    if foreign:
+        raise ConfigError(f"save_model: {target} holds more than agent_* / critic folders that an export wrote "
+                          f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); nothing was written and "
+                          "nothing is replaced. Choose an empty or new directory.")
+    return list(record["folders"]) if record is not None else []

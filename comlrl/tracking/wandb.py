@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from .._redact import redact
 from ..exceptions import CheckpointError, ConfigError
 
 __all__ = ["WandbSink", "check_wandb_config", "wandb_init_kwargs", "check_identity", "IDENTITY_KEYS"]
@@ -135,6 +136,7 @@ class WandbSink:
                 kwargs[key] = config[key]
         if "config" in config:
             kwargs["config"] = {**kwargs["config"], **dict(config["config"])}
+        kwargs["config"] = redact(kwargs["config"])  # config_sections and config are the user's: hide secrets there too
         if "mode" not in kwargs and not os.environ.get("WANDB_MODE") and not _logged_in(wandb):
             kwargs["mode"] = "offline"
             logger.warning("comlrl: no W&B credentials found (WANDB_API_KEY or `wandb login`); logging offline. "
