@@ -12,7 +12,8 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 from .exceptions import (CheckpointDirError, CheckpointError, ComlrlError, ComparatorError,  # noqa: E402
-                         ConfigError, DataError, ResumeMismatchError, RewardError, TokenizerError, TrainingError, TransitionError)
+                         ConfigError, DataError, ResumeMismatchError, RewardError, TokenizerError, TrackerError,
+                         TrainingError, TransitionError)
 from .trainers.reinforce import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "TransitionError",
     "TrainingError",
     "ComparatorError",
+    "TrackerError",
     "CheckpointError",
     "CheckpointDirError",
     "ResumeMismatchError",

@@ -41,7 +41,7 @@ from ..exceptions import CheckpointError
 __all__ = ["FORMAT_VERSION", "STATE_FILE", "MANIFEST_FILE", "RNG_FILE", "DATA_FILE", "Snapshot", "checkpoint_path",
            "checkpoint_number", "checkpoint_entries", "is_committed", "list_checkpoints", "foreign_checkpoints",
            "looks_like", "tree_hashes", "read_manifest", "read_state", "verify", "snapshot",
-           "write_checkpoint", "load_module", "load_optimizer", "load_tensors", "remove_checkpoints"]
+           "write_checkpoint", "load_module", "read_optimizer", "load_optimizer", "load_tensors", "remove_checkpoints"]
 
 FORMAT_VERSION = 2
 STATE_FILE = "trainer_state.json"
@@ -139,6 +139,44 @@ def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
+MAX_JSON_DEPTH = 64  # comlrl's own states nest about 8 levels; deeper is hostile (recursion everywhere)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (comlrl writes strict JSON)")
+
+
+def _parse_json(raw: bytes, path: Path, name: str) -> Any:
+    """Strict JSON (no NaN / Infinity) nested at most :data:`MAX_JSON_DEPTH` levels, or a
+    CheckpointError naming the file."""
+    try:
+        value = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        too_deep = _depth(value) > MAX_JSON_DEPTH
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {name} is corrupted ({exc}).") from None
+    except RecursionError:
+        too_deep = True
+    if too_deep:
+        raise CheckpointError(f"checkpoint {path}: {name} nests deeper than {MAX_JSON_DEPTH} levels (corrupted or "
+                              "forged).")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests (iteratively: a deep value must not exhaust the stack here)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if level > MAX_JSON_DEPTH:
+            break
+        if isinstance(item, dict):
+            stack.extend((v, level + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, level + 1) for v in item)
+    return deepest
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest of checkpoint ``path``, checked against its own hash, its version and its
     directory's number."""
@@ -151,10 +189,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             raise CheckpointError(f"{path} was written by CoMLRL 1.4.3 (training_state.pt); it is read by "
                                   "train(resume_from_checkpoint=...), not as a comlrl checkpoint.")
         raise CheckpointError(f"{path} is not a complete comlrl checkpoint: {MANIFEST_FILE} is missing.")
-    try:
-        manifest = json.loads(file.read_bytes().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} is corrupted ({exc}).") from None
+    manifest = _parse_json(file.read_bytes(), path, MANIFEST_FILE)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), str):
         raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} has no hash of its own.")
     body = {k: v for k, v in manifest.items() if k != "sha256"}
@@ -222,10 +257,7 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
     if raw is None or len(raw) != info["bytes"] or hashlib.sha256(raw).hexdigest() != info["sha256"]:
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is missing or does not match its recorded sha256 "
                               "(corrupted or edited).")
-    try:
-        state = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is corrupted ({exc}).") from None
+    state = _parse_json(raw, path, STATE_FILE)
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is not a JSON object.")
     return state
@@ -404,16 +436,27 @@ def load_module(path: Path, slot: str, module: torch.nn.Module) -> None:
         if missing or unexpected:
             raise CheckpointError(f"checkpoint {path}: {slot} weights do not fit the model (missing "
                                   f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}).")
+        bad = next((n for n, p in module.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        if bad is not None:  # never written by comlrl (a save refuses non-finite weights): edited
+            raise CheckpointError(f"checkpoint {path}: {slot} weight {bad} holds non-finite values (edited?).")
 
 
-def load_optimizer(path: Path, slot: str, optimizer: torch.optim.Optimizer, meta: Any) -> None:
-    """Load ``slot/optimizer.safetensors`` with its JSON hyper-state ``meta`` into ``optimizer``."""
+def read_optimizer(path: Path, slot: str, meta: Any) -> dict[str, Any]:
+    """``slot/optimizer.safetensors`` joined with its JSON hyper-state ``meta``: the state dict
+    ``optimizer.load_state_dict`` takes (checked by :mod:`comlrl.checkpoint.hyper` before that)."""
     with _loading(path, f"{slot} optimizer state"):
         if not isinstance(meta, dict) or not isinstance(meta.get("param_groups"), list) \
-                or not isinstance(meta.get("scalars"), dict):
+                or not isinstance(meta.get("scalars"), dict) or \
+                not all(isinstance(v, dict) for v in meta["scalars"].values()):
             raise CheckpointError(f"checkpoint {path}: optimizers[{slot!r}] is malformed.")
         tensors = load_file(str(path / slot / "optimizer.safetensors"))
-        optimizer.load_state_dict(_join_optimizer_state(meta, tensors))
+        return _join_optimizer_state(meta, tensors)
+
+
+def load_optimizer(path: Path, slot: str, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a state from :func:`read_optimizer` into ``optimizer``."""
+    with _loading(path, f"{slot} optimizer state"):
+        optimizer.load_state_dict(state)
 
 
 def load_tensors(path: Path, rel: str) -> dict[str, torch.Tensor]:

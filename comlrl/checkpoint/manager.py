@@ -8,24 +8,26 @@ checkpoint back after checking every byte and field it trusts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from ..exceptions import CheckpointDirError, CheckpointError, ResumeMismatchError
 from . import files
 from .fingerprint import compare_fingerprints
+from .hyper import check_optimizer_state, check_scheduler_state
 from .lock import DirectoryLock
 from .rng import capture_rng_state, restore_rng_state
 from .state import validate_state
 
-__all__ = ["CheckpointManager", "Slots", "latest_checkpoint", "read_checkpoint"]
+__all__ = ["CheckpointManager", "Slots", "as_checkpoint_error", "latest_checkpoint", "read_checkpoint"]
 
 logger = logging.getLogger("comlrl")
 
@@ -49,27 +51,35 @@ class Slots:
                 | ({files.DATA_FILE} if self.data is not None else set()))
 
 
-_HYPER = ("betas", "eps", "weight_decay", "initial_lr", "amsgrad", "maximize")
-
-
-def _hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """What of an optimizer's groups the config decides (not the step-dependent learning rate)."""
-    return [{k: (list(g[k]) if isinstance(g.get(k), tuple) else g.get(k)) for k in _HYPER if k in g}
-            for g in optimizer.param_groups]
-
-
 def read_checkpoint(path: str | os.PathLike, expected: Optional[set[str]] = None) -> dict[str, Any]:
     """Verify checkpoint ``path`` (every file's hash; exactly ``expected`` files if given) and
-    return its validated state."""
+    return its validated state. Anything malformed, however, is a CheckpointError."""
     path = Path(path)
-    manifest = files.verify(path, expected)
-    return validate_state(files.read_state(path), path, manifest["checkpoint"])
+    with as_checkpoint_error(path):
+        manifest = files.verify(path, expected)
+        return validate_state(files.read_state(path), path, manifest["checkpoint"])
+
+
+@contextlib.contextmanager
+def as_checkpoint_error(path: Path) -> Iterator[None]:
+    """Turn any error reading a hostile checkpoint (an odd path in its manifest, a value of the
+    wrong type deep inside, a file that vanished) into a CheckpointError naming it."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        raise CheckpointError(f"checkpoint {path} is malformed ({type(exc).__name__}: {exc}).") from None
 
 
 def latest_checkpoint(directory: str | os.PathLike, run_id: Optional[str] = None) -> Optional[Path]:
     """The newest checkpoint in ``directory`` that verifies (of run ``run_id`` if given), or None:
-    a damaged or tampered newest checkpoint falls back to the one before it."""
-    for path in reversed(files.list_checkpoints(directory)):
+    a damaged, tampered or foreign newest entry (a symbolic link, a folder without a manifest) is
+    skipped, with a warning naming it, for the one before it."""
+    for path in reversed(files.checkpoint_entries(directory)):
+        if not files.is_committed(path):
+            logger.warning("comlrl: skipping %s: %s, not a comlrl checkpoint", path, files.looks_like(path))
+            continue
         try:
             state = read_checkpoint(path)
         except CheckpointError as exc:
@@ -84,9 +94,23 @@ def _state_of(path: Path) -> Optional[dict[str, Any]]:
     """The validated state of ``path`` from its manifest and state file alone (no tensor hashing),
     or None if those do not verify."""
     try:
-        return validate_state(files.read_state(path), path, files.read_manifest(path)["checkpoint"])
+        with as_checkpoint_error(path):
+            return validate_state(files.read_state(path), path, files.read_manifest(path)["checkpoint"])
     except CheckpointError:
         return None
+
+
+def _checked_optimizer_states(path: Path, state: dict[str, Any], slots: Slots) -> dict[str, dict[str, Any]]:
+    """Every slot's optimizer state, read and checked with its scheduler's against the live ones
+    (:mod:`comlrl.checkpoint.hyper`); nothing is loaded yet."""
+    for slot, scheduler in slots.schedulers.items():
+        check_scheduler_state(path, slot, scheduler, state["schedulers"][slot])
+    out = {}
+    for slot, optimizer in slots.optimizers.items():
+        out[slot] = files.read_optimizer(path, slot, state["optimizers"][slot])
+        check_optimizer_state(path, slot, optimizer, out[slot], state["schedulers"].get(slot)
+                              if slot in slots.schedulers else None)
+    return out
 
 
 def _refuse_foreign(directory: Path, resumed_number: Optional[int]) -> None:
@@ -290,21 +314,15 @@ class CheckpointManager:
         if set(state["optimizers"]) != set(slots.optimizers) or set(state["schedulers"]) != set(slots.schedulers):
             raise CheckpointError(f"checkpoint {path}: its optimizer / scheduler slots "
                                   f"{sorted(state['optimizers'])} do not match this trainer's {sorted(slots.optimizers)}.")
-        if slots.data is not None:  # read (and checked) before any live state changes
+        optimizer_states = _checked_optimizer_states(path, state, slots)  # before any live state changes
+        if slots.data is not None:
             state["data"] = files.load_tensors(path, files.DATA_FILE)
         for slot, module in slots.modules.items():
             files.load_module(path, slot, module)
         for slot, optimizer in slots.optimizers.items():
-            expected = _hyper(optimizer)
-            files.load_optimizer(path, slot, optimizer, state["optimizers"][slot])
-            if _hyper(optimizer) != expected:
-                raise CheckpointError(f"checkpoint {path}: optimizers[{slot!r}] holds hyper-parameters "
-                                      f"{_hyper(optimizer)} where this run's config gives {expected} (edited?).")
+            files.load_optimizer(path, slot, optimizer, optimizer_states[slot])
         for slot, scheduler in slots.schedulers.items():
-            try:
-                scheduler.load_state_dict(state["schedulers"][slot])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise CheckpointError(f"checkpoint {path}: schedulers[{slot!r}] is malformed ({exc}).") from None
+            scheduler.load_state_dict(state["schedulers"][slot])
         self._restore_rng(path, state, rank)
         return state
 

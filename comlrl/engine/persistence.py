@@ -15,8 +15,7 @@ from typing import Any, Optional, Union
 import torch
 
 from .._io import atomic_write_text, fsync_dir, fsync_tree, move_into_place, refuse_link
-from ..checkpoint.fingerprint import (callable_fingerprint, dataset_fingerprint, model_fingerprint,
-                                      tokenizer_fingerprint)
+from ..checkpoint.fingerprint import callable_fingerprint, model_fingerprint, tokenizer_fingerprint
 from ..checkpoint.manager import CheckpointManager
 from ..exceptions import ConfigError, TrainingError
 from . import distributed as dist
@@ -53,7 +52,7 @@ class Persistence:
                 "num_agents": self.num_agents,
                 "models": [model_fingerprint(m) for m in self.agents],
                 "tokenizers": [tokenizers[id(t)] for t in self.tokenizers],
-                "dataset": dataset_fingerprint(self._table("train").rows),
+                "dataset": self._table("train").fingerprint,
                 **self._code_fingerprints(),
                 **self._fingerprint_extra(),
             }

@@ -267,7 +267,7 @@ class Trainer(Evaluation, Persistence):
         return self._tables[split][1]
 
     def _batch(self, table: PromptTable, indices: Sequence[int]) -> PromptBatch:
-        return PromptBatch(tuple(indices), tuple(table.rows[i] for i in indices),
+        return PromptBatch(tuple(indices), tuple(table.item(i) for i in indices),
                            tuple(tuple(table.prompts[a][i] for i in indices) for a in range(len(table.prompts))))
 
     def _collector(self, table: PromptTable) -> Collector:
