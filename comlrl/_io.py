@@ -44,9 +44,9 @@ def open_regular(path: str | os.PathLike, flags: int, what: str, error: Callable
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
     except OSError as exc:
-        if os.path.islink(path):
-            refuse_link(path, what, error)
-        raise
+        refuse_link(path, what, error)
+        raise error(f"{what} {path} cannot be opened: {exc.strerror or exc}. Remove what is there or use another "
+                    "directory.") from exc
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
         os.close(fd)
