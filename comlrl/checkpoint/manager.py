@@ -78,7 +78,9 @@ def latest_checkpoint(directory: str | os.PathLike, run_id: Optional[str] = None
     skipped, with a warning naming it, for the one before it."""
     for path in reversed(files.checkpoint_entries(directory)):
         if not files.is_committed(path):
-            logger.warning("comlrl: skipping %s: %s, not a comlrl checkpoint", path, files.looks_like(path))
+            what = files.looks_like(path)
+            hint = " (continue it by passing its path as resume_from_checkpoint)" if "1.4.3" in what else ""
+            logger.warning("comlrl: skipping %s: %s, not a comlrl checkpoint%s", path, what, hint)
             continue
         try:
             state = read_checkpoint(path)
