@@ -6,7 +6,8 @@
 
 from ._version import __version__
 from .exceptions import (CheckpointDirError, CheckpointError, ComlrlError, ComparatorError,  # noqa: E402
-                         ConfigError, DataError, ResumeMismatchError, RewardError, TokenizerError, TrainingError, TransitionError)
+                         ConfigError, DataError, ResumeMismatchError, RewardError, TokenizerError, TrackerError,
+                         TrainingError, TransitionError)
 from .trainers.reinforce import MAGRPOConfig, MAGRPOTrainer  # noqa: E402
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "TransitionError",
     "TrainingError",
     "ComparatorError",
+    "TrackerError",
     "CheckpointError",
     "CheckpointDirError",
     "ResumeMismatchError",

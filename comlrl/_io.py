@@ -1,14 +1,68 @@
-"""Crash-safe file writing: write a temporary sibling, fsync, rename into place."""
+"""Crash-safe file writing: write a temporary sibling, fsync, rename into place. And the rule for
+every path the library writes inside a run directory: never through a symbolic link (a planted
+``metrics.jsonl -> ~/.bashrc`` must not make training overwrite the link's target)."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 import uuid
 from pathlib import Path
+from typing import Callable
 
-__all__ = ["atomic_write_text", "fsync_dir", "fsync_tree", "move_into_place"]
+__all__ = ["atomic_write_text", "fsync_dir", "fsync_tree", "move_into_place", "refuse_link", "own_dir",
+           "open_regular", "temp_sibling"]
+
+
+def refuse_link(path: str | os.PathLike, what: str, error: Callable[[str], Exception]) -> None:
+    """Raise ``error(message)`` when ``path`` is a symbolic link (dangling or not): the library
+    never writes through one."""
+    if os.path.islink(path):
+        raise error(f"{what} {path} is a symbolic link (to {os.readlink(path)}); comlrl never writes through a "
+                    "link in a run directory, since that would overwrite the link's target. Remove the link or "
+                    "use another directory.")
+
+
+def own_dir(path: str | os.PathLike, what: str, error: Callable[[str], Exception]) -> Path:
+    """Create the folder ``path`` (and its parents) that the library writes into, refusing it when
+    it is a symbolic link or not a directory. Returns it."""
+    path = Path(path)
+    refuse_link(path, what, error)
+    if path.exists() and not path.is_dir():
+        raise error(f"{what} {path} exists and is not a directory; move it away or use another directory.")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def open_regular(path: str | os.PathLike, flags: int, what: str, error: Callable[[str], Exception],
+                 mode: int = 0o644) -> int:
+    """``os.open`` that never follows a symbolic link at ``path`` and accepts only a regular file
+    with one name (a hard link to another file would be written through just the same).
+    Returns the descriptor."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as exc:
+        refuse_link(path, what, error)
+        raise error(f"{what} {path} cannot be opened: {exc.strerror or exc}. Remove what is there or use another "
+                    "directory.") from exc
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        kind = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"a hard link ({info.st_nlink} names)"
+        raise error(f"{what} {path} is {kind}; comlrl writes only files of its own there. Remove it or use another "
+                    "directory.")
+    return fd
+
+
+def temp_sibling(path: str | os.PathLike, suffix: str = ".tmp") -> Path:
+    """A new, empty, uniquely named hidden file beside ``path`` (created exclusively, so nothing
+    planted at a guessable name can be written through)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(fd)
+    return Path(tmp)
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

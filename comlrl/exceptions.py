@@ -12,7 +12,9 @@ built-in exception a Python user would try first (``ValueError``, ``TypeError``)
     ├── TransitionError        (ValueError)  the external transition raised or returned bad prompts
     ├── TrainingError          (RuntimeError) training cannot go on: a non-finite loss or gradient,
     │   │                                     a trainer used after close(), ...
-    │   └── ComparatorError                  a preference comparator (e.g. an HTTP API) gave no answer
+    │   ├── ComparatorError                  a preference comparator (e.g. an HTTP API) gave no answer
+    │   └── TrackerError                     a tracker (report_to) failed; raised once the checkpoint
+    │                                        due at that point is written (tracker_failure='raise')
     ├── SandboxError           (RuntimeError) comlrl.sandbox cannot run code as asked: a required
     │                                         isolation layer is unavailable, or a worker cannot start
     └── CheckpointError        (ValueError)  a checkpoint is missing, incomplete, corrupted or tampered
@@ -32,6 +34,7 @@ __all__ = [
     "TrainingError",
     "ComparatorError",
     "SandboxError",
+    "TrackerError",
     "CheckpointError",
     "CheckpointDirError",
     "ResumeMismatchError",
@@ -70,6 +73,13 @@ class TrainingError(ComlrlError, RuntimeError):
 class ComparatorError(TrainingError):
     """The comparator of an iterative preference trainer could not produce candidates (after its
     retries): training stops before any update of the iteration, with the last checkpoint intact."""
+
+
+class TrackerError(TrainingError):
+    """A tracker of ``report_to`` (MLflow, W&B, TensorBoard, metrics.jsonl) failed while logging or
+    syncing. With ``tracker_failure="raise"`` (the default) training stops once the checkpoint due
+    at that point is written, so the failure never costs a checkpoint; resuming continues the
+    tracker's run."""
 
 
 class CheckpointError(ComlrlError, ValueError):

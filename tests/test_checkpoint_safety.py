@@ -172,7 +172,8 @@ def test_one_flipped_bit_in_the_state_is_refused_and_nothing_is_deleted(make_tra
     (lambda s: s.update(run_id="not-hex"), "'run_id' must be 32 lowercase hex"),
     (lambda s: s.pop("rng"), "'rng' is missing"),
     (lambda s: s["log_window"]["counts"].update(x=1), "'log_window' is malformed"),
-    (lambda s: s["optimizers"]["agent-0"]["param_groups"][0].update(betas=[0.5, 0.5]), "hyper-parameters"),
+    (lambda s: s["optimizers"]["agent-0"]["param_groups"][0].update(betas=[0.5, 0.5]),
+     "param_groups\\[0\\].betas is \\[0.5, 0.5\\], while this run.s config gives"),
     (lambda s: s["optimizers"]["agent-0"].update(param_groups="x"), "optimizers\\['agent-0'\\] is malformed"),
     (lambda s: s.update(launch={"config_file": 3, "config": {"trainer": {}}}), "'launch' must be null or"),
 ])

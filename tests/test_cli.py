@@ -251,7 +251,7 @@ def test_the_recorded_config_leaves_secrets_out():
         "name": "MADPOIter", "agent_model": "tiny", "num_agents": 2, "reward_func": "comlrl.testing:length_ratio_reward",
         "model_config": {"model_kwargs": {"dtype": "float32"}},
         "train_dataset": {"rows": [{"prompt": "Say hi.", "author": "me", "token": "data, not a credential"}]},
-        "args": {"dpo_beta": 0.2, "comparator_api_key_env": "MY_KEY_VARIABLE"}}}
+        "args": {"comparator_api_headers": {}, "dpo_beta": 0.2, "comparator_api_key_env": "MY_KEY_VARIABLE"}}}
     text = json.dumps(record)
     assert not any(secret in text for secret in ("sk-secret", "sk-wandb", "hf_secret", "t0k"))
     doc.data["trainer"]["train_dataset"]["rows"][0]["weight"] = float("nan")  # strict JSON cannot hold it

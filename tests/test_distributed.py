@@ -89,7 +89,7 @@ def test_two_processes_match_one(runs):
     assert [r["global_step"] for r in rows(runs / "two")] == [1, 2]
     assert sorted(p.name for p in (runs / "two" / "ckpt").iterdir()) == \
         [".comlrl.lock", "checkpoint-1", "checkpoint-2", "metrics.jsonl"]
-    assert sorted(p.name for p in (runs / "two" / "saved").iterdir()) == ["agent_0", "agent_1"]
+    assert sorted(p.name for p in (runs / "two" / "saved").iterdir()) == [".comlrl-export.json", "agent_0", "agent_1"]
     state = json.loads((runs / "two" / "ckpt" / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["world_size"] == 2 and len(state["rng_other_ranks"]) == 1
     assert any(k.startswith("rank1/") for k in load_file(str(runs / "two" / "ckpt" / "checkpoint-2" /

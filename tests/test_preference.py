@@ -306,8 +306,9 @@ def test_model_and_history_comparators(make, model_path, tmp_path, policy):
     trainer.train(checkpoint_dir=tmp_path / "ckpt")
     logged = rows(tmp_path / "ckpt")
     assert all(r["iter/current_preference_pairs"] > 0 for r in logged if "iter/current_preference_pairs" in r)
-    if policy == "history":
-        assert (tmp_path / "ckpt" / "policy_checkpoints" / "iteration_0001" / "agent_1" / "config.json").is_file()
+    if policy == "history":  # one folder per run
+        snapshot = tmp_path / "ckpt" / "policy_checkpoints" / f"run-{trainer.run_id[:8]}" / "iteration_0001"
+        assert (snapshot / "agent_1" / "config.json").is_file()
 
 
 def test_marlhf_iterations_retrain_the_reward_model_and_resume(make, tmp_path):

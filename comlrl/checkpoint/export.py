@@ -23,14 +23,14 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .._io import fsync_tree, move_into_place
+from .._io import atomic_write_text, fsync_dir, fsync_tree, move_into_place, refuse_link
 from ..exceptions import CheckpointError, ConfigError
 from . import files
 from .state import validate_state
 
-__all__ = ["export_checkpoint", "write_export", "check_export_target", "MARKER", "exportable"]
+__all__ = ["export_checkpoint", "write_export", "check_export_target", "export_record", "MARKER", "exportable"]
 
-MARKER = "comlrl_export.json"
+MARKER = ".comlrl-export.json"  # in an export folder: what the export wrote, from where, for which run
 _SKIPPED = {files.OPTIMIZER_FILE}  # training state, not part of a model folder
 _ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
 
@@ -83,7 +83,7 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
             if merge and _ADAPTER_FILES <= set(names):
                 _merge_adapter(target, slot, state["fingerprints"], base_loader)
 
-    return write_export(Path(out), fill, origin=str(source.resolve()))
+    return write_export(Path(out), fill, origin=str(source.resolve()), run_id=state["run_id"])
 
 
 def _copy_verified(src: Path, dst: Path, info: dict[str, Any]) -> None:
@@ -143,49 +143,97 @@ def _base_record(fingerprints: dict[str, Any], slot: str) -> Optional[dict[str, 
 
 # --- the export directory -----------------------------------------------------------------------
 
-def _written_by_export(target: Path) -> bool:
-    """Whether ``target`` holds exactly what an earlier export listed in its marker."""
-    marker = target / MARKER
+def export_record(target: Path) -> Optional[dict[str, Any]]:
+    """What an earlier export wrote into ``target`` (``{"folders", "files", "run_id", "source"}``
+    from its :data:`MARKER`), or None when ``target`` holds no valid record."""
     try:
-        record = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    listed = record.get("files") if isinstance(record, dict) else None
-    if not isinstance(listed, list):
-        return False
-    present = {p.relative_to(target).as_posix() for p in target.rglob("*") if not p.is_dir() or p.is_symlink()}
-    return present == set(listed) | {MARKER}
+        record = json.loads((Path(target) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    folders, listed, run_id = record.get("folders"), record.get("files"), record.get("run_id")
+    if not (isinstance(folders, list) and all(isinstance(f, str) for f in folders) and isinstance(listed, list)
+            and all(isinstance(f, str) for f in listed) and (run_id is None or isinstance(run_id, str))):
+        return None
+    return {"folders": folders, "files": listed, "run_id": run_id, "source": record.get("source")}
+
+
+_TMP = ".tmp-export-"  # an interrupted export's scratch folder inside its target: removed, never counted
+
+
+def _present(target: Path) -> set[str]:
+    """Every file (and link) below ``target``, as relative paths; not the marker itself."""
+    for leftover in target.glob(f"{_TMP}*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return {p.relative_to(target).as_posix() for p in target.rglob("*") if not p.is_dir() or p.is_symlink()} - {MARKER}
+
+
+def _earlier_export(target: Path) -> Optional[dict[str, Any]]:
+    """None for a new ``target``; the record of an earlier export (empty for an empty directory)
+    when that is all ``target`` holds; else a ConfigError naming what is in the way."""
+    refuse_link(target, "the export directory", ConfigError)
+    if not target.exists():
+        return None
+    if not target.is_dir():
+        raise ConfigError(f"{target} exists and is not a directory; nothing was written. Choose a new directory for "
+                          "the export.")
+    record = export_record(target) or {"folders": [], "files": [], "run_id": None}
+    foreign = sorted(_present(target) - set(record["files"]))
+    if foreign or (not record["files"] and any(target.iterdir()) and export_record(target) is None):
+        found = foreign or sorted(p.name for p in target.iterdir())
+        raise ConfigError(f"{target} already holds files export did not write ({', '.join(found[:5])}"
+                          f"{', ...' if len(found) > 5 else ''}); nothing was written or removed. Choose a new or "
+                          "empty directory.")
+    return record
 
 
 def check_export_target(target: Path) -> None:
     """Refuse an export directory that holds anything comlrl did not write there."""
-    if target.is_symlink() or (target.exists() and not target.is_dir()):
-        raise ConfigError(f"{target} exists and is not a directory (or is a symlink); nothing was written. Choose a "
-                          "new directory for the export.")
-    if target.is_dir() and any(target.iterdir()) and not _written_by_export(target):
-        found = sorted(p.name for p in target.iterdir())[:5]
-        raise ConfigError(f"{target} already holds files export did not write ({', '.join(found)}); nothing was "
-                          "written or removed. Choose a new or empty directory.")
+    _earlier_export(Path(target))
 
 
-def write_export(target: Path, fill: Callable[[Path], None], origin: str) -> list[str]:
-    """Build an export in a hidden sibling of ``target`` (``fill(tmp)`` writes it), record what
-    it holds in :data:`MARKER`, then put it in place of ``target``, which must be new, empty, or
-    an earlier export. Returns the top-level folders written."""
+def write_export(target: Path, fill: Callable[[Path], None], origin: str, run_id: Optional[str] = None) -> list[str]:
+    """Write an export (``fill(folder)`` writes its top-level folders, e.g. ``agent_0``) to
+    ``target`` and record what it holds in :data:`MARKER`; returns the folders written.
+
+    ``target`` must be new, an empty directory, or an earlier export untouched since (anything else,
+    such as the user's own ``agent_0/`` or a run directory, is refused and nothing is written). A new
+    ``target`` appears whole or not at all; into an existing one (the working directory, say) each
+    folder is swapped whole, the old one removed only once the new one is in place.
+    """
     target = Path(target)
-    check_export_target(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.parent / f".tmp-{target.name}-{uuid.uuid4().hex[:8]}"
+    earlier = _earlier_export(target)
+    parent = target if earlier is not None else target.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f"{_TMP}{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         fill(tmp)
-        written = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
-        (tmp / MARKER).write_text(json.dumps({"written_by": "comlrl export", "source": origin, "files": written},
-                                             indent=1) + "\n", encoding="utf-8")
+        folders = sorted(p.name for p in tmp.iterdir())
         fsync_tree(tmp)
-        check_export_target(target)  # again: nothing of the user's appeared meanwhile
-        move_into_place(tmp, target)
-    except BaseException:
+        if earlier is None:
+            _write_marker(tmp, folders, _present(tmp), origin, run_id)
+            os.rename(tmp, target)
+            fsync_dir(target.parent)
+            return folders
+        _earlier_export(target)  # again: nothing of the user's appeared meanwhile
+        stale = [f for f in earlier["folders"] if f not in folders]
+        new_files = {f"{name}/{rel}" for name in folders for rel in _present(tmp / name)} | {
+            rel for rel in earlier["files"] if rel.split("/", 1)[0] in stale}
+        _write_marker(target, sorted(set(earlier["folders"]) | set(folders)), new_files | set(earlier["files"]),
+                      origin, run_id)  # a crash below leaves nothing unlisted
+        for name in folders:
+            move_into_place(tmp / name, target / name)
+        for name in stale:
+            shutil.rmtree(target / name, ignore_errors=True)
+        _write_marker(target, folders, {f for f in new_files if f.split("/", 1)[0] in folders}, origin, run_id)
+        return folders
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return sorted(p.name for p in target.iterdir() if p.is_dir())
+
+
+def _write_marker(folder: Path, folders: list[str], files_written: set[str], origin: str,
+                  run_id: Optional[str]) -> None:
+    atomic_write_text(folder / MARKER, json.dumps({"written_by": "comlrl", "source": origin, "run_id": run_id,
+                                                   "folders": folders, "files": sorted(files_written)}, indent=1))

@@ -46,9 +46,10 @@ from .._io import fsync_dir, fsync_tree, move_into_place
 from ..exceptions import CheckpointError
 
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATE_FILE", "MANIFEST_FILE", "RNG_FILE", "DATA_FILE",
-           "OPTIMIZER_FILE", "SlotLayout", "PLAIN_LAYOUT", "Snapshot", "checkpoint_path",
-           "checkpoint_number", "list_checkpoints", "read_manifest", "read_state", "verify", "snapshot",
-           "write_checkpoint", "load_module", "load_optimizer", "load_tensors", "remove_checkpoints"]
+           "OPTIMIZER_FILE", "SlotLayout", "PLAIN_LAYOUT", "Snapshot", "checkpoint_path", "checkpoint_number",
+           "checkpoint_entries", "is_committed", "list_checkpoints", "foreign_checkpoints", "looks_like", "tree_hashes",
+           "read_manifest", "read_state", "verify", "snapshot", "write_checkpoint", "load_module", "read_optimizer",
+           "load_optimizer", "load_tensors", "remove_checkpoints"]
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (2, 3)  # 2: one model.safetensors per slot, no side files
@@ -73,18 +74,54 @@ def checkpoint_number(path: str | os.PathLike) -> int:
     return int(match.group(1))
 
 
-def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
-    """Committed ``checkpoint-N`` directories (holding a manifest), oldest first by N. Nothing is
-    verified here (see :func:`verify`)."""
+def checkpoint_entries(directory: str | os.PathLike) -> list[Path]:
+    """Every entry of ``directory`` named ``checkpoint-N`` (whatever it is), oldest first by N."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = []
-    for child in directory.iterdir():
-        match = _NAME.match(child.name)
-        if match and child.is_dir() and not child.is_symlink() and (child / MANIFEST_FILE).is_file():
-            found.append((int(match.group(1)), child))
+    found = [(int(m.group(1)), child) for child in directory.iterdir() if (m := _NAME.match(child.name))]
     return [path for _, path in sorted(found)]
+
+
+def is_committed(path: Path) -> bool:
+    """Whether ``path`` is a committed comlrl checkpoint: a real directory (not a link) holding a
+    manifest. Nothing is verified here (see :func:`verify`)."""
+    return path.is_dir() and not path.is_symlink() and (path / MANIFEST_FILE).is_file()
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Committed ``checkpoint-N`` directories (holding a manifest), oldest first by N. Nothing is
+    verified here (see :func:`verify`)."""
+    return [path for path in checkpoint_entries(directory) if is_committed(path)]
+
+
+# What other trainers leave in their checkpoint-N folders, to name them in an error.
+_HF_TRAINER_FILES = ("optimizer.pt", "scheduler.pt", "rng_state.pth", "training_args.bin", "pytorch_model.bin",
+                     "model.safetensors", "adapter_model.safetensors")
+
+
+def foreign_checkpoints(directory: str | os.PathLike) -> list[tuple[Path, str]]:
+    """``checkpoint-N`` entries of ``directory`` that are not committed comlrl checkpoints (no
+    manifest: CoMLRL 1.4.3's, the Hugging Face Trainer's, a copy whose manifest was lost, the
+    user's own folder or file, a symbolic link), oldest first by N, each with what it looks like."""
+    return [(path, looks_like(path)) for path in checkpoint_entries(directory) if not is_committed(path)]
+
+
+def looks_like(path: Path) -> str:
+    """What a ``checkpoint-N`` entry without a manifest appears to be, for an error message."""
+    if path.is_symlink():
+        return f"a symbolic link to {os.readlink(path)}"
+    if not path.is_dir():
+        return "a file"
+    names = sorted(p.name for p in path.iterdir())
+    if "training_state.pt" in names:
+        return "written by CoMLRL 1.4.3 (training_state.pt)"
+    if RNG_FILE in names or any(_SLOT.match(n) for n in names):
+        return f"a comlrl checkpoint whose {MANIFEST_FILE} is missing (an interrupted copy, or the manifest was lost)"
+    if any(n in _HF_TRAINER_FILES for n in names):
+        return f"written by the Hugging Face Trainer ({', '.join(n for n in names if n in _HF_TRAINER_FILES)})"
+    return f"not a comlrl checkpoint (no {MANIFEST_FILE}; it holds {', '.join(names[:4]) or 'nothing'}" + \
+        (", ...)" if len(names) > 4 else ")")
 
 
 def _sha256(path: Path) -> str:
@@ -95,8 +132,59 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def tree_hashes(root: str | os.PathLike) -> dict[str, str]:
+    """``{relative path: sha256}`` of every regular file below ``root``; a symbolic link is not
+    followed but listed as ``"link:<its target>"``, which no file's hash equals."""
+    root = Path(root)
+    out = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_symlink():
+            out[path.relative_to(root).as_posix()] = "link:" + os.readlink(path)
+        elif path.is_file():
+            out[path.relative_to(root).as_posix()] = _sha256(path)
+    return out
+
+
 def _canonical(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+MAX_JSON_DEPTH = 64  # comlrl's own states nest about 8 levels; deeper is hostile (recursion everywhere)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (comlrl writes strict JSON)")
+
+
+def _parse_json(raw: bytes, path: Path, name: str) -> Any:
+    """Strict JSON (no NaN / Infinity) nested at most :data:`MAX_JSON_DEPTH` levels, or a
+    CheckpointError naming the file."""
+    try:
+        value = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        too_deep = _depth(value) > MAX_JSON_DEPTH
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: {name} is corrupted ({exc}).") from None
+    except RecursionError:
+        too_deep = True
+    if too_deep:
+        raise CheckpointError(f"checkpoint {path}: {name} nests deeper than {MAX_JSON_DEPTH} levels (corrupted or "
+                              "forged).")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests (iteratively: a deep value must not exhaust the stack here)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        deepest = max(deepest, level)
+        if level > MAX_JSON_DEPTH:
+            break
+        if isinstance(item, dict):
+            stack.extend((v, level + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, level + 1) for v in item)
+    return deepest
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
@@ -111,10 +199,7 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
             raise CheckpointError(f"{path} was written by CoMLRL 1.4.3 (training_state.pt); it is read by "
                                   "train(resume_from_checkpoint=...), not as a comlrl checkpoint.")
         raise CheckpointError(f"{path} is not a complete comlrl checkpoint: {MANIFEST_FILE} is missing.")
-    try:
-        manifest = json.loads(file.read_bytes().decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} is corrupted ({exc}).") from None
+    manifest = _parse_json(file.read_bytes(), path, MANIFEST_FILE)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("sha256"), str):
         raise CheckpointError(f"checkpoint {path}: {MANIFEST_FILE} has no hash of its own.")
     body = {k: v for k, v in manifest.items() if k != "sha256"}
@@ -186,10 +271,7 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
     if raw is None or len(raw) != info["bytes"] or hashlib.sha256(raw).hexdigest() != info["sha256"]:
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is missing or does not match its recorded sha256 "
                               "(corrupted or edited).")
-    try:
-        state = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is corrupted ({exc}).") from None
+    state = _parse_json(raw, path, STATE_FILE)
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is not a JSON object.")
     return state
@@ -437,6 +519,9 @@ def load_module(path: Path, slot: str, module: torch.nn.Module, layout: SlotLayo
         if missing or unexpected:
             raise CheckpointError(f"checkpoint {path}: {slot} weights do not fit the model (missing "
                                   f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}).")
+        bad = next((n for n, p in module.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        if bad is not None:  # never written by comlrl (a save refuses non-finite weights): edited
+            raise CheckpointError(f"checkpoint {path}: {slot} weight {bad} holds non-finite values (edited?).")
 
 
 def _aliases(file: Path) -> dict[str, str]:
@@ -448,14 +533,22 @@ def _aliases(file: Path) -> dict[str, str]:
     return {alias: kept for alias, kept in metadata.items() if alias != "format"}
 
 
-def load_optimizer(path: Path, slot: str, optimizer: torch.optim.Optimizer, meta: Any) -> None:
-    """Load ``slot/optimizer.safetensors`` with its JSON hyper-state ``meta`` into ``optimizer``."""
+def read_optimizer(path: Path, slot: str, meta: Any) -> dict[str, Any]:
+    """``slot/optimizer.safetensors`` joined with its JSON hyper-state ``meta``: the state dict
+    ``optimizer.load_state_dict`` takes (checked by :mod:`comlrl.checkpoint.hyper` before that)."""
     with _loading(path, f"{slot} optimizer state"):
         if not isinstance(meta, dict) or not isinstance(meta.get("param_groups"), list) \
-                or not isinstance(meta.get("scalars"), dict):
+                or not isinstance(meta.get("scalars"), dict) or \
+                not all(isinstance(v, dict) for v in meta["scalars"].values()):
             raise CheckpointError(f"checkpoint {path}: optimizers[{slot!r}] is malformed.")
         tensors = load_file(str(path / slot / OPTIMIZER_FILE))
-        optimizer.load_state_dict(_join_optimizer_state(meta, tensors))
+        return _join_optimizer_state(meta, tensors)
+
+
+def load_optimizer(path: Path, slot: str, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Load a state from :func:`read_optimizer` into ``optimizer``."""
+    with _loading(path, f"{slot} optimizer state"):
+        optimizer.load_state_dict(state)
 
 
 def load_tensors(path: Path, rel: str) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ import inspect
 import json
 from typing import Any, Callable, Iterable, Optional
 
+import numpy as np
 import torch
 
 __all__ = ["digest", "base_fingerprint", "model_fingerprint", "tokenizer_fingerprint", "dataset_fingerprint", "callable_fingerprint",
@@ -62,11 +63,14 @@ def dataset_fingerprint(rows: Iterable[Any]) -> str:
 
 def _plain_value(value: Any) -> Any:
     """A JSON-ready stand-in for a value a function reads: the value itself when it is immutable
-    plain data (numbers, strings, tuples of them), else its type's name: a module, a model, a
+    plain data (numbers, numpy scalars, strings, tuples of them), else its type's name: a module, a model, a
     tokenizer (what it computes is not hashed here), and mutable containers, which a function may
     fill as it runs (a memo cache) and so would make its own run look changed at resume."""
     if isinstance(value, (dict, list, set, bytearray)):
         return f"<{type(value).__qualname__}>"
+    if isinstance(value, np.generic):  # an immutable numpy scalar (np.float32(0.5)): its type and value
+        item = value.item()
+        return {"numpy": type(value).__name__, "value": item if isinstance(item, (bool, int, float, str)) else str(value)}
     if isinstance(value, (tuple, frozenset)):
         items = [_plain_value(v) for v in (sorted(value, key=repr) if isinstance(value, frozenset) else value)]
         return items if isinstance(value, tuple) else {"frozenset": items}

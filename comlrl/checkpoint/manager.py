@@ -8,24 +8,26 @@ checkpoint back after checking every byte and field it trusts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from ..exceptions import CheckpointDirError, CheckpointError, ResumeMismatchError
 from . import files
 from .fingerprint import compare_fingerprints
+from .hyper import check_optimizer_state, check_scheduler_state
 from .lock import DirectoryLock
 from .rng import capture_rng_state, restore_rng_state
 from .state import validate_state
 
-__all__ = ["CheckpointManager", "Slots", "latest_checkpoint", "read_checkpoint", "format_version",
+__all__ = ["CheckpointManager", "Slots", "as_checkpoint_error", "latest_checkpoint", "read_checkpoint", "format_version",
            "checkpoint_state"]
 
 logger = logging.getLogger("comlrl")
@@ -58,21 +60,25 @@ class Slots:
                 | ({files.DATA_FILE} if self.data is not None else set()))
 
 
-_HYPER = ("betas", "eps", "weight_decay", "initial_lr", "amsgrad", "maximize")
-
-
-def _hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """What of an optimizer's groups the config decides (not the step-dependent learning rate)."""
-    return [{k: (list(g[k]) if isinstance(g.get(k), tuple) else g.get(k)) for k in _HYPER if k in g}
-            for g in optimizer.param_groups]
-
-
 def read_checkpoint(path: str | os.PathLike, expected: Optional[set[str]] = None) -> dict[str, Any]:
     """Verify checkpoint ``path`` (every file's hash; exactly ``expected`` files if given) and
-    return its validated state."""
+    return its validated state. Anything malformed, however, is a CheckpointError."""
     path = Path(path)
-    manifest = files.verify(path, expected)
-    return validate_state(files.read_state(path), path, manifest["checkpoint"])
+    with as_checkpoint_error(path):
+        manifest = files.verify(path, expected)
+        return validate_state(files.read_state(path), path, manifest["checkpoint"])
+
+
+@contextlib.contextmanager
+def as_checkpoint_error(path: Path) -> Iterator[None]:
+    """Turn any error reading a hostile checkpoint (an odd path in its manifest, a value of the
+    wrong type deep inside, a file that vanished) into a CheckpointError naming it."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        raise CheckpointError(f"checkpoint {path} is malformed ({type(exc).__name__}: {exc}).") from None
 
 
 def format_version(path: str | os.PathLike) -> int:
@@ -82,8 +88,14 @@ def format_version(path: str | os.PathLike) -> int:
 
 def latest_checkpoint(directory: str | os.PathLike, run_id: Optional[str] = None) -> Optional[Path]:
     """The newest checkpoint in ``directory`` that verifies (of run ``run_id`` if given), or None:
-    a damaged or tampered newest checkpoint falls back to the one before it."""
-    for path in reversed(files.list_checkpoints(directory)):
+    a damaged, tampered or foreign newest entry (a symbolic link, a folder without a manifest) is
+    skipped, with a warning naming it, for the one before it."""
+    for path in reversed(files.checkpoint_entries(directory)):
+        if not files.is_committed(path):
+            what = files.looks_like(path)
+            hint = " (continue it by passing its path as resume_from_checkpoint)" if "1.4.3" in what else ""
+            logger.warning("comlrl: skipping %s: %s, not a comlrl checkpoint%s", path, what, hint)
+            continue
         try:
             state = read_checkpoint(path)
         except CheckpointError as exc:
@@ -98,7 +110,8 @@ def checkpoint_state(path: str | os.PathLike) -> dict[str, Any]:
     """The validated state of checkpoint ``path`` from its manifest and state file alone (no
     tensor file is hashed): quick, for decisions before a full :meth:`CheckpointManager.load`."""
     path = Path(path)
-    return validate_state(files.read_state(path), path, files.read_manifest(path)["checkpoint"])
+    with as_checkpoint_error(path):
+        return validate_state(files.read_state(path), path, files.read_manifest(path)["checkpoint"])
 
 
 def _state_of(path: Path) -> Optional[dict[str, Any]]:
@@ -107,6 +120,51 @@ def _state_of(path: Path) -> Optional[dict[str, Any]]:
         return checkpoint_state(path)
     except CheckpointError:
         return None
+
+
+def _checked_optimizer_states(path: Path, state: dict[str, Any], slots: Slots) -> dict[str, dict[str, Any]]:
+    """Every slot's optimizer state, read and checked with its scheduler's against the live ones
+    (:mod:`comlrl.checkpoint.hyper`); nothing is loaded yet."""
+    for slot, scheduler in slots.schedulers.items():
+        check_scheduler_state(path, slot, scheduler, state["schedulers"][slot])
+    out = {}
+    for slot, optimizer in slots.optimizers.items():
+        out[slot] = files.read_optimizer(path, slot, state["optimizers"][slot])
+        check_optimizer_state(path, slot, optimizer, out[slot], state["schedulers"].get(slot)
+                              if slot in slots.schedulers else None)
+    return out
+
+
+def _refuse_foreign(directory: Path, resumed_number: Optional[int]) -> None:
+    """Refuse a directory holding ``checkpoint-N`` entries this run did not write (they are never
+    deleted or replaced): any, for a fresh run; for a resumed one, those it would write over
+    (numbers above the checkpoint resumed from). A CoMLRL 1.4.3 checkpoint resumed from in its own
+    directory, and older ones beside it, stay where they are, untouched."""
+    for path, what in files.foreign_checkpoints(directory):
+        if resumed_number is None:
+            raise CheckpointDirError(
+                f"{directory} holds {path.name}, {what}, which this run did not write; nothing was touched. A fresh "
+                "run needs a checkpoint_dir without checkpoint-N entries of others: use an empty checkpoint_dir or "
+                f"move {path.name} away (to continue a CoMLRL 1.4.3 run, pass its checkpoint as "
+                "resume_from_checkpoint).")
+        if files.checkpoint_number(path) > resumed_number:
+            raise CheckpointDirError(
+                f"{directory} holds {path.name}, {what}; resuming from checkpoint-{resumed_number} would later write "
+                f"a {path.name} of its own there, and comlrl never replaces what a run did not write. Nothing was "
+                f"touched: move {path.name} away or use another checkpoint_dir.")
+
+
+def _refuse_replacing(path: Path, run_id: str) -> None:
+    """``path`` (a checkpoint about to be written) may be replaced only when it is a checkpoint of
+    this run whose manifest and state verify."""
+    if not os.path.lexists(path):
+        return
+    state = _state_of(path) if path.is_dir() and not path.is_symlink() else None
+    if state is None or state["run_id"] != run_id:
+        owner = ("not a checkpoint of this run (another run's)" if state is not None
+                 else "not a checkpoint (or one that does not verify)")
+        raise CheckpointDirError(f"{path} exists and is {owner}; comlrl never replaces what this run did not write, "
+                                 "and nothing was written. Move it away or choose another directory.")
 
 
 class CheckpointManager:
@@ -146,6 +204,7 @@ class CheckpointManager:
         self.directory = directory.resolve()
 
     def _claim(self, directory: Path, run_id: str, resumed_number: Optional[int]) -> None:
+        _refuse_foreign(directory, resumed_number)
         newer = []
         for existing in files.list_checkpoints(directory):
             state = _state_of(existing)
@@ -163,7 +222,8 @@ class CheckpointManager:
                            "redoes them)", resumed_number, ", ".join(p.name for p in newer))
             files.remove_checkpoints(newer)
         for stale in list(directory.glob(".tmp-checkpoint-*")) + list(directory.glob(".old-checkpoint-*")):
-            shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted save or prune
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)  # leftovers of an interrupted save or prune
 
     def release(self) -> None:
         """Wait for the pending write, then unlock the directory."""
@@ -188,6 +248,7 @@ class CheckpointManager:
         if not self.is_main:
             return path
         self.wait()  # checkpoints commit in order; an earlier failure surfaces here
+        _refuse_replacing(path, run_id)
         snap = self._snapshot(number, record, slots, rng_states)
         self._last = snap if snap.nbytes() <= REUSE_SNAPSHOT_BYTES else None
         if self._writer is None:
@@ -211,9 +272,7 @@ class CheckpointManager:
                     rng_states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> Path:
         """Write a checkpoint now, synchronously, under any directory name (``save_checkpoint``)."""
         target = Path(target)
-        if target.is_symlink() or (target.exists() and not (target / files.MANIFEST_FILE).is_file()):
-            raise CheckpointError(f"save_checkpoint: {target} exists and is not a checkpoint; nothing was written. "
-                                  "Choose a new directory.")
+        _refuse_replacing(target, record["run_id"])
         snap = self._snapshot(number, record, slots, rng_states)
         return files.write_checkpoint(target.parent, snap, name=target.name)
 
@@ -279,21 +338,15 @@ class CheckpointManager:
         if set(state["optimizers"]) != set(slots.optimizers) or set(state["schedulers"]) != set(slots.schedulers):
             raise CheckpointError(f"checkpoint {path}: its optimizer / scheduler slots "
                                   f"{sorted(state['optimizers'])} do not match this trainer's {sorted(slots.optimizers)}.")
-        if slots.data is not None:  # read (and checked) before any live state changes
+        optimizer_states = _checked_optimizer_states(path, state, slots)  # before any live state changes
+        if slots.data is not None:
             state["data"] = files.load_tensors(path, files.DATA_FILE)
         for slot, module in slots.modules.items():
             files.load_module(path, slot, module, slots.layout(slot, version))
         for slot, optimizer in slots.optimizers.items():
-            expected = _hyper(optimizer)
-            files.load_optimizer(path, slot, optimizer, state["optimizers"][slot])
-            if _hyper(optimizer) != expected:
-                raise CheckpointError(f"checkpoint {path}: optimizers[{slot!r}] holds hyper-parameters "
-                                      f"{_hyper(optimizer)} where this run's config gives {expected} (edited?).")
+            files.load_optimizer(path, slot, optimizer, optimizer_states[slot])
         for slot, scheduler in slots.schedulers.items():
-            try:
-                scheduler.load_state_dict(state["schedulers"][slot])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise CheckpointError(f"checkpoint {path}: schedulers[{slot!r}] is malformed ({exc}).") from None
+            scheduler.load_state_dict(state["schedulers"][slot])
         self._restore_rng(path, state, rank)
         return state
 

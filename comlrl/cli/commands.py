@@ -259,21 +259,22 @@ def _dash(value: Any) -> str:
 
 
 def _checkpoint_dirs(directory: Path) -> list[Path]:
-    found = []
-    for child in directory.iterdir():
-        match = re.fullmatch(r"checkpoint-(\d+)", child.name)
-        if match and child.is_dir():
-            found.append((int(match.group(1)), child))
-    return [path for _, path in sorted(found)]
+    from ..checkpoint.files import checkpoint_entries
+
+    return [path for path in checkpoint_entries(directory) if path.is_dir() or path.is_symlink()]
 
 
 def _checkpoint_row(path: Path) -> dict[str, Any]:
+    from ..checkpoint.files import looks_like
     from ..checkpoint.legacy import is_legacy_checkpoint
     from ..checkpoint.manager import read_checkpoint
     from ..utils import read_checkpoint_metadata
 
     row: dict[str, Any] = {"name": path.name, "path": str(path), "epoch": None, "items_in_epoch": None,
                            "env_step": None, "global_step": None, "run_id": None, "verified": False, "problem": None}
+    if path.is_symlink():  # find_latest_checkpoint and --resume auto never follow one
+        row["problem"] = f"{looks_like(path)}; --resume auto skips it"
+        return row
     try:
         meta = read_checkpoint_metadata(path)
         row.update({k: meta.get(k) for k in ("epoch", "items_in_epoch", "env_step", "global_step", "run_id")})

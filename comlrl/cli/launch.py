@@ -13,10 +13,10 @@ import copy
 import dataclasses
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any, Optional
 
+from .._redact import redact
 from .runconfig import RunSpec
 from .yamlconf import CliError, Document, Key
 
@@ -28,18 +28,18 @@ logger = logging.getLogger("comlrl")
 def launch_record(spec: RunSpec) -> Optional[dict[str, Any]]:
     """What a run's checkpoints keep of its config (JSON), or None when it cannot be kept whole.
 
-    Left out: ``wandb_config`` (export logs nothing), secret config fields, the comparator's
-    headers, and anywhere below, any key that looks like a credential (``token``, ``api_key``,
-    ``password``, ...): a checkpoint may be shared, and export needs none of them."""
+    Left out: ``wandb_config`` (export logs nothing), secret config fields, and anywhere below,
+    every key that names a credential (``token``, ``api_key``, ``password``, an ``Authorization``
+    header, ...); a value shaped like one is ``"<redacted>"`` (:mod:`comlrl._redact`, the rule
+    every record follows): a checkpoint may be shared, and export needs none of them."""
     trainer = copy.deepcopy(spec.doc.data.get("trainer") or {})
     trainer.pop("wandb_config", None)
     args = trainer.get("args")
     if isinstance(args, dict):
         secret = {f.name for f in dataclasses.fields(spec.entry.config) if f.metadata.get("secret")}
-        trainer["args"] = {k: _scrubbed(v) for k, v in args.items()
-                           if k not in secret and k != "comparator_api_headers"}
-    trainer = {k: (v if k == "args" or k.endswith("_dataset") else _scrubbed(v))  # datasets are data
-               for k, v in trainer.items() if not _CREDENTIAL.search(str(k))}
+        trainer["args"] = {k: v for k, v in args.items() if k not in secret}
+    data = {k: v for k, v in trainer.items() if k.endswith("_dataset")}  # datasets are data, kept as given
+    trainer = {**redact({k: v for k, v in trainer.items() if k not in data}, drop=True), **data}
     try:  # checkpoints hold strict JSON: a NaN in an inline dataset cannot be kept as written
         trainer = json.loads(json.dumps(trainer, default=str, allow_nan=False))
     except ValueError:
@@ -48,19 +48,6 @@ def launch_record(spec: RunSpec) -> Optional[dict[str, Any]]:
         return None
     return {"config_file": str(spec.doc.file) if spec.doc.file is not None else None,
             "config": {"trainer": trainer}, "cwd": str(Path.cwd())}
-
-
-_CREDENTIAL = re.compile(r"(?:^|[_\-. ])(?:token|api[_\-]?key|secret|password|passwd|auth|authorization|cookie|"
-                         r"credentials?)(?:$|[_\-. ])", re.I)
-
-
-def _scrubbed(value: Any) -> Any:
-    """``value`` without the mapping keys that look like credentials, at any depth."""
-    if isinstance(value, dict):
-        return {k: _scrubbed(v) for k, v in value.items() if not _CREDENTIAL.search(str(k))}
-    if isinstance(value, list):
-        return [_scrubbed(v) for v in value]
-    return value
 
 
 def _recorded(checkpoint: Path, meta: dict[str, Any]) -> dict[str, Any]:

@@ -124,8 +124,11 @@ def load_document(path: Union[str, Path]) -> Document:
         node = loader.get_single_node()
         lines: dict[Key, int] = {}
         if node is not None:
+            _check_expansion(node, path.name)
             _record_lines(node, (), lines, path.name)
         data = loader.construct_document(node) if node is not None else None
+    except RecursionError:
+        raise CliError(f"{path.name}: the YAML nests too deeply to be a config.") from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         line = f"{mark.line + 1}:" if mark is not None else ""
@@ -140,6 +143,39 @@ def load_document(path: Union[str, Path]) -> Document:
         raise CliError(f"{path.name}: the config must be a mapping of sections (trainer:, train:), got a "
                        f"{type(data).__name__}.")
     return Document(data=data, file=path.resolve(), lines=lines)
+
+
+MAX_VALUES = 1_000_000  # values of a config with every alias expanded (what later steps walk)
+
+
+def _check_expansion(root: yaml.Node, name: str) -> None:
+    """Refuse a document whose aliases (``*anchor``) expand to more than :data:`MAX_VALUES` values
+    (an "anchor bomb": a few lines that expand exponentially) or refer to themselves, before
+    anything walks or copies it."""
+    sizes: dict[int, int] = {}
+    open_nodes: set[int] = set()
+
+    def size(node: yaml.Node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in open_nodes:
+            raise CliError(f"{name}:{node.start_mark.line + 1}: an alias refers to the value that holds it (a "
+                           "recursive anchor); a config must be finite.")
+        open_nodes.add(key)
+        children = ([part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode)
+                    else node.value if isinstance(node, yaml.SequenceNode) else [])
+        total = 1
+        for child in children:
+            total += size(child)
+            if total > MAX_VALUES:
+                raise CliError(f"{name}: the YAML expands to more than {MAX_VALUES:,} values through its aliases "
+                               "(&anchor / *alias: an anchor bomb?); write the values out or use fewer aliases.")
+        open_nodes.discard(key)
+        sizes[key] = total
+        return total
+
+    size(root)
 
 
 def _record_lines(node: yaml.Node, key: Key, lines: dict[Key, int], name: str) -> None:
@@ -163,7 +199,16 @@ def parse_value(text: str, as_string: bool = False) -> Any:
     ``as_string`` keeps it as written (``null`` / ``None`` still mean None)."""
     if as_string:
         return None if text in ("null", "None", "~") else text
-    try:
-        return yaml.load(text, Loader=_Loader) if text.strip() else text
-    except yaml.YAMLError:
+    if not text.strip():
         return text
+    loader = _Loader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expansion(node, "a flag's value")
+        return loader.construct_document(node)
+    except (yaml.YAMLError, RecursionError):
+        return text
+    finally:
+        loader.dispose()

@@ -16,6 +16,7 @@ import functools
 import math
 from typing import Any, Callable, ClassVar, Iterable, Optional
 
+from .._redact import REDACTED, redact, redact_text, secrets_in
 from ..exceptions import ConfigError
 
 __all__ = ["Config", "config_class", "setting", "check_int", "check_float", "check_bool", "check_choice",
@@ -47,15 +48,13 @@ ALIASES = {
 }
 
 
-REDACTED = "<redacted>"
-
-
 def setting(default: Any, doc: str, check: Optional[Check] = None, may_change: bool = False,
             secret: bool = False) -> Any:
     """Declare a config field: its default, a one-line doc, an optional check (``check(name, value)``
     returns the value, possibly normalised, or raises ConfigError), whether it may differ between a
     checkpoint and the run that resumes it, and whether it is a secret (never written out:
-    :meth:`Config.to_dict` shows it as ``"<redacted>"``)."""
+    :meth:`Config.to_dict` shows it as ``"<redacted>"``; fields and nested keys that carry a
+    secret by name or by value shape are hidden the same way, see :mod:`comlrl._redact`)."""
     return dataclasses.field(default=default, metadata={"doc": doc, "check": check, "may_change_on_resume": may_change,
                                                         "secret": secret})
 
@@ -166,16 +165,25 @@ class Config:
     @staticmethod
     def _checked(f: dataclasses.Field, value: Any) -> Any:
         check = f.metadata.get("check")
-        return check(f.name, value) if check is not None else value
+        try:
+            return check(f.name, value) if check is not None else value
+        except ConfigError as exc:  # the message quotes the value: never a secret in it
+            hidden = [value] if f.metadata.get("secret") and isinstance(value, str) else []
+            raise ConfigError(redact_text(str(exc), hidden + secrets_in(value, f.name))) from None
 
     def validate(self) -> None:
         """Cross-field invariants; subclasses extend it (and call ``super().validate()``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        """All fields as a JSON-ready dict (tuples become lists; a set secret as ``"<redacted>"``):
-        what checkpoints, fingerprints and trackers record."""
+        """All fields as a JSON-ready dict (tuples become lists; secrets as ``"<redacted>"``: a set
+        ``secret`` field, and any field or nested key carrying one by name or value shape, see
+        :mod:`comlrl._redact`): what checkpoints, fingerprints and trackers record."""
         return {f.name: (REDACTED if f.metadata.get("secret") and getattr(self, f.name) is not None
-                         else _plain(getattr(self, f.name))) for f in dataclasses.fields(self)}
+                         else redact(_plain(getattr(self, f.name)), f.name)) for f in dataclasses.fields(self)}
+
+    def __repr__(self) -> str:
+        """Every field as :meth:`to_dict` shows it: a repr never shows a secret."""
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> "Config":
@@ -210,7 +218,7 @@ def _unknown_message(cls: type, unknown: Iterable[str]) -> str:
 
 def config_class(cls: type) -> type:
     """``@dataclass`` plus an ``__init__`` that names the closest real field for a misspelt one."""
-    cls = dataclasses.dataclass(cls)
+    cls = dataclasses.dataclass(cls, repr=False)  # Config.__repr__ hides secrets
     names = {f.name for f in dataclasses.fields(cls)}
     init = cls.__init__
 

@@ -81,7 +81,7 @@ class Evaluation:
         by_index = dict(gathered)
         agents = len(next(iter(by_index.values()))) if by_index else self.num_agents
         per_agent = [[list(by_index[i][a]) for i in indices] for a in range(agents)]
-        items = [table.rows[i] for i in indices]
+        items = [table.item(i) for i in indices]
         logged = self.eval_logger(agent_completions_turns=per_agent, batch_items=items,
                                   prompts=[row.get("prompt") for row in items])
         aggregated = self.eval_aggregator(logged, num_turns=self.args.num_turns) or {}

@@ -17,6 +17,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._redact import redact
 from ..exceptions import CheckpointError, ResumeMismatchError
 from ..checkpoint.legacy import read_legacy_checkpoint
 from ..checkpoint.rng import restore_rng_state
@@ -35,8 +36,9 @@ _PORTABLE = {"num_train_epochs", "agent_devices", "reference_devices", "parallel
 
 
 def _differences(trainer: "Trainer", saved: Any) -> list[str]:
-    ours = trainer.args.to_dict()
-    out = [f"config.{key}: saved {value!r}, now {ours[key]!r}" for key, value in sorted(saved.config.items())
+    ours = trainer.args.to_dict()  # secrets redacted, and so the saved ones (a 1.4.3 config may hold a key)
+    theirs = {key: redact(value, key) for key, value in saved.config.items()}
+    out = [f"config.{key}: saved {value!r}, now {ours[key]!r}" for key, value in sorted(theirs.items())
            if key in ours and key not in _PORTABLE and value != ours[key]]
     if len(saved.agent_states) != len(trainer.agents):
         out.append(f"num_agents: saved {len(saved.agent_states)}, now {len(trainer.agents)}")

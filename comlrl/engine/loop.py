@@ -10,10 +10,10 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from . import distributed as dist
-from ..exceptions import ConfigError
+from ..exceptions import ConfigError, TrackerError
 from ..tracking import Tracker
 from .timing import PhaseTimer
 
@@ -39,6 +39,8 @@ class RunLoop:
         self.interval, self.limit, self.save_steps = interval, limit, save_steps
         self.resumed_number, self.continuing = resumed_number, continuing
         self.trackers: list[Tracker] = []  # report_to's, on the main process only
+        self.failures: list[tuple[str, str, Exception]] = []  # (tracker, what it was doing, error), main only
+        self.saved_since_failure: Optional[int] = None  # a checkpoint number written after the first failure
         self.last: dict[str, float] = {}
 
     # --- opening and closing --------------------------------------------------------------
@@ -53,6 +55,7 @@ class RunLoop:
             dist.main_process_first_result(self._open_sinks, t.dist)  # a failure stops every rank
             yield
             dist.main_process_first_result(t.checkpoints.wait, t.dist)  # the last checkpoint is on disk
+            self._raise_tracker_failure()
             success = True
         finally:
             self._close(success)
@@ -63,8 +66,51 @@ class RunLoop:
 
     def _sync_trackers(self) -> None:
         """Before a checkpoint: the rows up to it survive a crash or a power cut."""
-        for tracker in self.trackers:
-            tracker.sync()
+        self._to_trackers("syncing before a checkpoint", lambda tracker: tracker.sync())
+
+    # --- a tracker that fails never costs a checkpoint -----------------------------------------
+    def _to_trackers(self, what: str, call: Callable[[Tracker], None]) -> None:
+        """``call`` every tracker; one that fails is set aside (see :meth:`_tracker_failed`)."""
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as exc:  # noqa: BLE001 - the others, and the checkpoint due now, come first
+                self._tracker_failed(tracker, what, exc)
+
+    def _tracker_failed(self, tracker: Tracker, what: str, exc: Exception) -> None:
+        """Stop using a failed tracker for the rest of this train() call. With tracker_failure=
+        'raise' training stops at :meth:`_raise_tracker_failure`, after the checkpoint due at this
+        point; with 'disable' it goes on, said once here."""
+        self.trackers.remove(tracker)
+        self.failures.append((tracker.name, what, exc))
+        try:
+            tracker.close(success=False)
+        except Exception:  # noqa: BLE001 - it is failing already
+            logger.debug("comlrl: closing the failed tracker %s failed too", tracker.name, exc_info=True)
+        if self.args.tracker_failure == "disable":
+            logger.warning("comlrl: tracker %s failed %s (%s: %s); training goes on without it until train() returns "
+                           "(tracker_failure='disable'): its run misses the rows from here on, which the other "
+                           "trackers hold.", tracker.name, what, type(exc).__name__, exc)
+
+    def _failure_message(self) -> Optional[str]:
+        if not self.failures:
+            return None
+        name, what, exc = self.failures[0]
+        saved = (f"checkpoint-{self.saved_since_failure} was written first" if self.saved_since_failure is not None
+                 else "the last checkpoint is intact")
+        return (f"tracker {name!r} failed {what}: {type(exc).__name__}: {exc}. Training stopped; {saved}. Make the "
+                "tracker work again and resume from the newest checkpoint (its run continues from there; the row it "
+                "failed to record is in the other trackers), or set tracker_failure='disable' to train on without a "
+                "failing tracker.")
+
+    def _raise_tracker_failure(self) -> None:
+        """With tracker_failure='raise', stop (every process) once a tracker has failed."""
+        if self.args.tracker_failure != "raise":
+            return
+        message = dist.main_process_first_result(self._failure_message, self.t.dist)
+        if message is not None:
+            dist.main_process_first_result(self.t.checkpoints.wait, self.t.dist)  # "written first": on disk
+            raise TrackerError(message) from (self.failures[0][2] if self.failures else None)
 
     def _close(self, success: bool) -> None:
         t = self.t
@@ -112,7 +158,13 @@ class RunLoop:
         timer = PhaseTimer(self.t.device)
         with timer("checkpoint"):
             self.t._save(self.t.state.checkpoint + 1, self.limit)
+        self._saved()
         self.t.state.window.add(timer.metrics())
+        self._raise_tracker_failure()
+
+    def _saved(self) -> None:
+        if self.failures and self.saved_since_failure is None:
+            self.saved_since_failure = self.t.state.checkpoint
 
     def log(self, metrics: dict[str, float], flush: bool = False) -> None:
         """Log a family's phase metrics (e.g. reward-model training) at the current env_step."""
@@ -125,6 +177,7 @@ class RunLoop:
             start = t.state.items_in_epoch
             indices = order[start:start + t._buffer_prompts()]
             self._evaluate_if_due(start, len(indices), len(order))
+            self._raise_tracker_failure()
             steps_before = t.state.global_step
             timer = PhaseTimer(t.device)
             metrics = t._train_buffer(indices, epoch, timer)
@@ -137,6 +190,7 @@ class RunLoop:
             progress.update(t.state.global_step - steps_before)
             progress.set_postfix(epoch=epoch + 1, reward=f"{metrics.get('train/reward_mean', math.nan):.3f}")
             self._checkpoint_if_due(done, steps_before)
+            self._raise_tracker_failure()  # after the checkpoint due here: a failing tracker never costs it
             if done:
                 return
 
@@ -171,8 +225,8 @@ class RunLoop:
     def _write_row(self, row: dict[str, float]) -> dict[str, float]:
         t = self.t
         row = {**row, "env_step": t.state.env_step, "global_step": t.state.global_step}
-        for tracker in self.trackers:
-            tracker.log(row, step=t.state.env_step)
+        self._to_trackers(f"logging the row at env_step {t.state.env_step}",
+                          lambda tracker: tracker.log(row, step=t.state.env_step))
         return row
 
     def _checkpoint_if_due(self, epoch_done: bool, steps_before: int) -> None:
@@ -188,6 +242,7 @@ class RunLoop:
         timer = PhaseTimer(t.device)
         with timer("checkpoint"):
             t._save(t.state.checkpoint + 1, self.limit)
+        self._saved()
         # Its cost (copying the state; the files are written in the background) goes in the next row.
         t.state.window.add(timer.metrics())
 

@@ -12,8 +12,7 @@ import torch
 
 from .._version import __version__
 from ..checkpoint.export import write_export
-from ..checkpoint.fingerprint import (callable_fingerprint, compare_fingerprints, dataset_fingerprint,
-                                      model_fingerprint, tokenizer_fingerprint)
+from ..checkpoint.fingerprint import callable_fingerprint, compare_fingerprints, model_fingerprint, tokenizer_fingerprint
 from ..checkpoint.manager import CheckpointManager, Slots, checkpoint_state
 from ..exceptions import ConfigError, ResumeMismatchError, TrainingError
 from . import distributed as dist
@@ -51,7 +50,7 @@ class Persistence:
                 "num_agents": self.num_agents,
                 "models": [model_fingerprint(m) for m in self.agents],
                 "tokenizers": [tokenizers[id(t)] for t in self.tokenizers],
-                "dataset": dataset_fingerprint(self._table("train").rows),
+                "dataset": self._table("train").fingerprint,
                 **self._code_fingerprints(),
                 **self._fingerprint_extra(),
             }
@@ -213,19 +212,25 @@ class Persistence:
     def save_model(self, output_dir: Union[str, os.PathLike], merge_adapters: bool = False) -> Path:
         """Write every agent as a standard transformers directory ``output_dir/agent_i`` with its
         tokenizer (``AutoModelForCausalLM.from_pretrained`` loads it). LoRA agents are written as PEFT
-        adapter directories, or with ``merge_adapters=True`` as plain models. Written to a hidden
-        sibling and renamed into place; under torchrun every process calls it and rank 0 writes."""
+        adapter directories, or with ``merge_adapters=True`` as plain models. A new ``output_dir`` is
+        written to a hidden sibling and renamed into place; an existing one only when it holds
+        nothing but an earlier export (recorded in ``.comlrl-export.json``), each folder replaced
+        whole: what an export did not write is never replaced. Under torchrun every process calls
+        it and rank 0 writes."""
         if not isinstance(merge_adapters, bool):
             raise ConfigError(f"merge_adapters must be True or False, got {merge_adapters!r}.")
         return dist.main_process_first_result(lambda: _write_agents(Path(output_dir), self._exported(),
-                                                                    merge_adapters), self.dist)
+                                                                    merge_adapters, self.run_id), self.dist)
 
     def _exported(self) -> list[tuple[str, torch.nn.Module, Any]]:
         """``(folder, model, tokenizer)`` of everything :meth:`save_model` writes."""
         return [(f"agent_{i}", m, t) for i, (m, t) in enumerate(zip(self.agents, self.tokenizers))]
 
 
-def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool) -> Path:
+def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool,
+                  run_id: Optional[str] = None) -> Path:
+    """Write ``exported`` as ``target/<folder>`` model directories (see
+    :func:`comlrl.checkpoint.export.write_export`: only ever replacing an earlier export)."""
     from ..adapters import AdapterAgent
     from ..models.actor_critic import unwrap_policy
 
@@ -238,5 +243,5 @@ def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]]
             if hasattr(tokenizer, "save_pretrained"):
                 tokenizer.save_pretrained(tmp / folder)
 
-    write_export(target, fill, origin="save_model")  # replaces only an earlier export, once the new one is whole
+    write_export(target, fill, origin="save_model", run_id=run_id)
     return target

@@ -9,6 +9,7 @@ formatter an agent is prompted with ``item["prompt"]``. A formatter may also ret
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
@@ -109,24 +110,42 @@ def dataset_rows(dataset: Any, name: str) -> list[dict[str, Any]]:
     return rows
 
 
+def _copy(row: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a row that user code may change freely (a deep one where the values allow)."""
+    try:
+        return copy.deepcopy(row)
+    except Exception:  # noqa: BLE001 - a value that cannot be copied (a handle): copy the row itself
+        return dict(row)
+
+
 @dataclass(frozen=True)
 class PromptTable:
     """A dataset with every agent's first-turn prompt formatted and checked.
 
     ``prompts[a][i]`` is agent a's prompt for ``rows[i]``; ``chat[a]`` says whether agent a's
-    prompts are chat messages.
+    prompts are chat messages; ``fingerprint`` is the rows' digest, taken before any user code saw
+    them. User code (formatters, rewards, transitions, callbacks) gets copies (:meth:`item`), so a
+    function that annotates its row (a memo field) changes neither the table nor the fingerprint.
     """
 
     rows: tuple[dict[str, Any], ...]
     prompts: tuple[tuple[Prompt, ...], ...]   # [num_agents][len(rows)]
     chat: tuple[bool, ...]                     # [num_agents]
+    fingerprint: str = ""
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    def item(self, index: int) -> dict[str, Any]:
+        """Row ``index`` as user code gets it: a copy."""
+        return _copy(self.rows[index])
+
     @classmethod
     def build(cls, dataset: Any, name: str, formatters: Sequence[Formatter]) -> "PromptTable":
+        from ..checkpoint.fingerprint import dataset_fingerprint
+
         rows = dataset_rows(dataset, name)
+        fingerprint = dataset_fingerprint(rows)
         prompts, chat = [], []
         for a, formatter in enumerate(formatters):
             agent_prompts = []
@@ -136,7 +155,7 @@ class PromptTable:
                     raise DataError(f"{name} row {i} has no 'prompt' column (columns: {sorted(row)}); add one, or "
                                     "pass formatters=... that build the prompt.")
                 try:
-                    value = formatter(row)
+                    value = formatter(_copy(row))
                 except Exception as exc:
                     raise DataError(f"formatter of agent {a} failed on {name} row {i}: "
                                     f"{type(exc).__name__}: {exc}") from exc
@@ -147,4 +166,4 @@ class PromptTable:
                                 "others; use one form for the whole dataset.")
             prompts.append(tuple(agent_prompts))
             chat.append(kinds == {True})
-        return cls(tuple(rows), tuple(prompts), tuple(chat))
+        return cls(tuple(rows), tuple(prompts), tuple(chat), fingerprint)

@@ -138,6 +138,11 @@ class TrainerConfig(Config):
                                                     optional(check_str), may_change=True)
     mlflow_run_name: Optional[str] = setting(None, "Name of a new MLflow run; None = MLflow picks one.",
                                              optional(check_str), may_change=True)
+    tracker_failure: str = setting(
+        "raise", "A tracker of report_to that fails while logging (a 503, a full disk): 'raise' (train() stops with "
+                 "TrackerError once the checkpoint due at that point is written) or 'disable' (a warning; training "
+                 "goes on without that tracker until train() returns).",
+        check_choice("raise", "disable", aliases={"warn": "disable", "ignore": "disable"}), may_change=True)
     shuffle: bool = setting(False, "Reshuffle the prompts every epoch (order derived from seed and epoch).",
                             check_bool)
     warmup_steps: int = setting(0, "Linear learning-rate warmup over this many optimizer steps.", check_int(0))

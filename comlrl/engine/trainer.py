@@ -272,7 +272,7 @@ class Trainer(Evaluation, Persistence):
         return self._tables[split][1]
 
     def _batch(self, table: PromptTable, indices: Sequence[int]) -> PromptBatch:
-        return PromptBatch(tuple(indices), tuple(table.rows[i] for i in indices),
+        return PromptBatch(tuple(indices), tuple(table.item(i) for i in indices),
                            tuple(tuple(table.prompts[a][i] for i in indices) for a in range(len(table.prompts))))
 
     def _collector(self, table: PromptTable) -> Collector:
@@ -431,6 +431,7 @@ class Trainer(Evaluation, Persistence):
         self.args.validate()
         check_train_args(checkpoint_dir, checkpoint_interval, checkpoint_total_limit, save_steps)
         self._check_ready()
+        self._check_training_inputs()
         self._table("train")
         self._check_world()
         resumed = self._load_for_train(resume_from_checkpoint) if resume_from_checkpoint is not None else None
@@ -446,6 +447,10 @@ class Trainer(Evaluation, Persistence):
         tokenizers, a max_new_tokens beyond a model's context) must be usable now."""
         check_tokenizers_usable(self.tokenizers)
         check_context(self._policies(), self.args.max_new_tokens)
+
+    def _check_training_inputs(self) -> None:
+        """What only training needs, checked before anything is opened (a family's: an API key);
+        building a trainer (to export its agents) or evaluating does not need it."""
 
     def _check_world(self) -> None:
         if self.dist.enabled and self._step_prompts() < self.dist.world_size:

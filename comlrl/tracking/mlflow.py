@@ -26,6 +26,7 @@ import time
 from typing import Any, Mapping, Optional
 from urllib.parse import urlsplit
 
+from .._redact import redact
 from ..exceptions import CheckpointError, ConfigError
 from .steps import StepFilter
 
@@ -174,7 +175,7 @@ class MlflowTracker:
 
         tags = {RUN_ID_TAG: self.comlrl_run_id} if self.comlrl_run_id else {}
         run = self.client.create_run(self._experiment_id(experiment_name), tags=tags, run_name=run_name)
-        params = [Param(_key(k), _param_value(v)) for k, v in sorted(run_config.items())]
+        params = [Param(_key(k), _param_value(v)) for k, v in sorted(redact(run_config).items())]
         for start in range(0, len(params), _MAX_PARAMS):
             self.client.log_batch(run.info.run_id, params=params[start:start + _MAX_PARAMS], synchronous=True)
         return run

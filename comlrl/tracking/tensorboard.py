@@ -18,6 +18,8 @@ import struct
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from .._io import own_dir, refuse_link
+from ..exceptions import CheckpointDirError
 from .steps import StepFilter
 
 __all__ = ["TensorBoardTracker", "read_scalars"]
@@ -55,6 +57,7 @@ class TensorBoardTracker:
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir = Path(log_dir)
+        refuse_link(self.log_dir, "the TensorBoard folder", CheckpointDirError)
         present: dict[str, dict[int, float]] = {}
         if resume_step is not None and self.log_dir.is_dir():
             for tag, events in read_scalars(self.log_dir).items():
@@ -63,7 +66,7 @@ class TensorBoardTracker:
                     present[tag] = at
         self.filter = StepFilter(present, "TensorBoard", same=lambda stored, new: stored == _as_float32(new)
                                  or (math.isnan(stored) and math.isnan(new)))
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        own_dir(self.log_dir, "the TensorBoard folder", CheckpointDirError)
         self.writer = SummaryWriter(log_dir=str(self.log_dir),
                                     purge_step=None if resume_step is None else resume_step + 1)
 

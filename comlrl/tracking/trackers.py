@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
-from ..exceptions import CheckpointError, ConfigError
+from ..exceptions import CheckpointDirError, CheckpointError, ConfigError
 
 __all__ = ["Tracker", "TrackerContext", "TRACKERS", "check_report_to", "check_report_to_installed",
            "active_trackers", "open_trackers", "check_tracker_identities", "INSTALL_HINTS"]
@@ -196,6 +196,10 @@ def _open(name: str, args: Any, wandb_config: Optional[Mapping[str, Any]], ctx: 
         from .tensorboard import TensorBoardTracker
 
         root = Path(args.tensorboard_dir) if getattr(args, "tensorboard_dir", None) else ctx.folder / "tensorboard"
+        if not getattr(args, "tensorboard_dir", None):  # inside the run directory: never through a link
+            from .._io import refuse_link
+
+            refuse_link(root, "the TensorBoard root", CheckpointDirError)
         return TensorBoardTracker(root / f"run-{ctx.run_id[:8]}", resume_step=ctx.resume_step)
     if name == "mlflow":
         from .mlflow import MlflowTracker

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from .._redact import redact
 from ..exceptions import CheckpointError, ConfigError
 
 __all__ = ["WandbSink", "check_wandb_config", "wandb_init_kwargs", "check_identity", "IDENTITY_KEYS",
@@ -141,6 +142,7 @@ class WandbSink:
                 kwargs[key] = config[key]
         if "config" in config:
             kwargs["config"] = {**kwargs["config"], **dict(config["config"])}
+        kwargs["config"] = redact(kwargs["config"])  # config_sections and config are the user's: hide secrets there too
         kwargs.setdefault("id", uuid.uuid4().hex[:8])  # W&B's own form (8 lowercase letters and digits)
         if "mode" not in kwargs and not os.environ.get("WANDB_MODE") and not _logged_in(wandb):
             kwargs["mode"] = "offline"

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 
+from .._redact import redact
 from ..checkpoint import files
-from ..checkpoint.manager import latest_checkpoint
+from ..checkpoint.manager import as_checkpoint_error, latest_checkpoint
 from ..checkpoint.rng import set_seed
 from ..checkpoint.state import validate_state
 
@@ -42,10 +43,11 @@ def read_checkpoint_metadata(checkpoint: str | os.PathLike) -> dict[str, Any]:
         return {"wandb": legacy.wandb, "version": legacy.version, "trainer_class": legacy.trainer_class,
                 "sequence": legacy.sequence, "run_id": legacy.run_id, "checkpoint": legacy.sequence,
                 "epoch": legacy.epoch, "items_in_epoch": 0, "env_step": legacy.env_step, "global_step": None,
-                "num_train_epochs": None, "config": legacy.config, "comlrl_version": "1.4.3",
+                "num_train_epochs": None, "config": redact(legacy.config), "comlrl_version": "1.4.3",
                 "path": str(legacy.path), "trackers": {}, "launch": None}
-    manifest = files.read_manifest(path)
-    state = validate_state(files.read_state(path), path, manifest["checkpoint"])
+    with as_checkpoint_error(path):
+        manifest = files.read_manifest(path)
+        state = validate_state(files.read_state(path), path, manifest["checkpoint"])
     counters = state["counters"]
     return {"wandb": state["wandb"], "version": manifest["format_version"], "trainer_class": state["trainer"],
             "sequence": counters["checkpoint"], "run_id": state["run_id"], "checkpoint": counters["checkpoint"],

@@ -423,7 +423,7 @@ class ActorCriticTrainerBase(Trainer):
 
     def _row_of(self, node: Any) -> Any:
         table = self._tables.get("eval" if getattr(self, "_in_eval", False) else "train")
-        return table[1].rows[node.index] if table is not None else None
+        return table[1].item(node.index) if table is not None else None
 
     def _callback_sums(self, turns: list, data: Optional[dict[str, Any]]) -> dict[str, list[float]]:
         """``metrics_callback`` on every episode's samples: ``{key: [sum, count]}`` over this process's

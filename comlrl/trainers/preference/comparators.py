@@ -5,28 +5,53 @@ compared with.
 * ``model``: other models (``comparator_model_name`` / ``comparator_agents``), frozen;
 * ``history``: the agents as they were ``comparator_history_k`` iterations ago (saved policies);
 * ``api``: an HTTP endpoint, in the ``generic`` JSON format (CoMLRL's) or OpenAI chat,
-  Anthropic messages or OpenAI responses format, with timeouts, bounded retries with backoff,
-  candidates batched up to ``comparator_api_max_n_per_request`` per request, and the key read from
-  ``comparator_api_key_env``: never logged, saved or sent anywhere but the endpoint.
+  Anthropic messages or OpenAI responses format, candidates batched up to
+  ``comparator_api_max_n_per_request`` per request, and the key read from
+  ``comparator_api_key_env`` when training starts: never logged, saved or sent anywhere but the
+  endpoint. Requests go through httpx (the ``api`` extra): ``comparator_api_timeout`` bounds each
+  whole try (connecting, sending, and the whole reply, however slowly it trickles in); redirects
+  are never followed (they would carry the key to another address); a reply is read up to
+  ``comparator_api_max_response_bytes``; timeouts, broken connections, malformed or cut-off
+  replies and 408/409/425/429/5xx answers are retried with backoff; whatever the server echoes
+  back, the key never appears in an error message.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import time
-import urllib.error
-import urllib.request
-from typing import Any, Mapping, Optional, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, TypeVar
 
+from ..._redact import redact_text, secrets_in
 from ...exceptions import ComparatorError, ConfigError
 
-__all__ = ["ApiComparator", "ComparatorError", "jsonable"]
+__all__ = ["ApiComparator", "ComparatorError", "jsonable", "HTTP_EXTRA"]
 
 logger = logging.getLogger("comlrl")
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+_DETAIL_BYTES = 2048  # of an error reply, quoted in the error
+HTTP_EXTRA = "pip install 'comlrl[api]'"
+T = TypeVar("T")
+
+
+class _Retry(Exception):
+    """A try that failed in a way a later try may not (timeouts, broken or malformed replies)."""
+
+
+def _run(make: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine to completion from synchronous code: here when this thread has no event
+    loop, else (a notebook's running loop) on a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="comlrl-comparator") as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
 
 
 def jsonable(value: Any) -> Any:
@@ -63,29 +88,48 @@ def _texts(items: Any) -> list[str]:
 
 class ApiComparator:
     """Candidates from an HTTP endpoint (see the module docstring). ``args`` is the iterative
-    config; nothing of it but the URL and non-secret headers ever appears in an error message."""
+    config; nothing of it but the URL and non-secret headers ever appears in an error message.
+    The key is read by :meth:`check_key` (train() calls it before any work), not when the trainer
+    is built: building one to export its agents needs no key."""
 
     def __init__(self, args: Any):
         self.url, self.format = args.comparator_api_url, args.comparator_api_format
         self.model, self.timeout, self.retries = args.comparator_api_model, args.comparator_api_timeout, \
             args.comparator_api_retries
+        self.max_bytes = args.comparator_api_max_response_bytes
         self.max_n, self.field, self.extra = args.comparator_api_max_n_per_request, \
             args.comparator_api_response_field, dict(args.comparator_api_extra_body or {})
         self.sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                              top_k=args.top_k)
         self.headers = {"Content-Type": "application/json", **(args.comparator_api_headers or {})}
-        key = args.comparator_api_key
-        if key is None and args.comparator_api_key_env:
-            key = os.environ.get(args.comparator_api_key_env)
-            if key is None:
-                raise ConfigError(f"comparator_api_key_env={args.comparator_api_key_env!r} names an environment "
-                                  "variable that is not set; export it before training.")
+        self._key_given, self._key_env = args.comparator_api_key, args.comparator_api_key_env
         header, prefix = args.comparator_api_key_header, (args.comparator_api_key_prefix or "").strip()
         if self.format == "anthropic":
             self.headers.setdefault("anthropic-version", "2023-06-01")
             if header.lower() == "authorization":
                 header, prefix = "x-api-key", ("" if prefix.lower() == "bearer" else prefix)
-        self._key_header = (header, f"{prefix} {key}".strip()) if key else None
+        self._key_name, self._key_prefix = header, prefix
+        self._key_header: Optional[tuple[str, str]] = None
+        self._checked = False
+
+    def check_key(self) -> None:
+        """Read the API key (``comparator_api_key``, else the variable ``comparator_api_key_env``
+        names). Raises ConfigError when that variable is not set."""
+        key = self._key_given
+        if key is None and self._key_env:
+            key = os.environ.get(self._key_env)
+            if key is None:
+                raise ConfigError(f"comparator_api_key_env={self._key_env!r} names an environment variable that is "
+                                  "not set; export it before training.")
+        self._key_header = (self._key_name, f"{self._key_prefix} {key}".strip()) if key else None
+        self._checked = True
+
+    def _secrets(self) -> list[str]:
+        """What an error message must never show: the key (alone and as sent) and every secret of
+        the headers and the extra body."""
+        sent = self._key_header[1] if self._key_header else None
+        key = sent[len(self._key_prefix):].strip() if sent else None
+        return [s for s in (sent, key) if s] + secrets_in(self.headers) + secrets_in(self.extra)
 
     # --- one prompt ------------------------------------------------------------------------------
     def candidates(self, prompt: str, agent: int, item: Mapping[str, Any], count: int) -> list[str]:
@@ -143,8 +187,10 @@ class ApiComparator:
         return _texts(value) if value is not None else []
 
     def _post(self, body: dict[str, Any]) -> Any:
-        """POST with up to ``retries`` retries (timeouts, connection errors, 408/429/5xx), waiting
-        0.5 s, 1 s, 2 s, ... between tries."""
+        """POST with up to ``retries`` retries (see the module docstring), waiting 0.5 s, 1 s,
+        2 s, ... between tries; the parsed JSON reply."""
+        if not self._checked:
+            self.check_key()
         data = json.dumps(body, allow_nan=False).encode("utf-8")
         headers = dict(self.headers)
         if self._key_header is not None:
@@ -153,27 +199,78 @@ class ApiComparator:
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
-            request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
-                    raw = reply.read().decode("utf-8")
-            except urllib.error.HTTPError as exc:
-                detail = exc.read()[:300].decode("utf-8", "replace") if hasattr(exc, "read") else ""
-                last = f"HTTP {exc.code}: {detail}"
-                if exc.code in _RETRY_STATUS:
-                    continue
-                raise ComparatorError(f"the comparator API at {self.url} refused the request ({last}).") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
-                continue
-            try:
-                return json.loads(raw)
-            except json.JSONDecodeError:
-                raise ComparatorError(f"the comparator API at {self.url} answered with something that is not JSON: "
-                                      f"{raw[:200]!r}") from None
-        raise ComparatorError(f"the comparator API at {self.url} failed {self.retries + 1} time(s) (timeout "
-                              f"{self.timeout:g} s each); last error: {last}. Nothing of this iteration was trained; "
-                              "resume from the last checkpoint once the endpoint answers.")
+                return self._attempt(data, headers)
+            except _Retry as exc:
+                last = str(exc)
+        raise ComparatorError(self._scrub(
+            f"the comparator API at {self.url} failed {self.retries + 1} time(s) (timeout {self.timeout:g} s for each "
+            f"whole request); last error: {last}. Nothing of this iteration was trained; resume from the last "
+            "checkpoint once the endpoint answers."))
+
+    def _scrub(self, text: str) -> str:
+        return redact_text(text, self._secrets())
+
+    def _attempt(self, data: bytes, headers: dict[str, str]) -> Any:
+        """One try: the reply's JSON, or _Retry / ComparatorError."""
+        import httpx
+
+        try:
+            raw = _run(lambda: asyncio.wait_for(self._exchange(data, headers), self.timeout))
+        except asyncio.TimeoutError:
+            raise _Retry(f"no whole reply within {self.timeout:g} s") from None
+        except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
+            raise ComparatorError(self._scrub(f"comparator_api_url {self.url!r} cannot be requested: {exc}")) from None
+        except (httpx.TransportError, httpx.DecodingError) as exc:
+            raise _Retry(self._scrub(f"{type(exc).__name__}: {exc}")) from None
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise _Retry(self._scrub(f"the reply is not JSON: {raw[:200]!r}")) from None
+
+    async def _exchange(self, data: bytes, headers: dict[str, str]) -> bytes:
+        """Send the request and read the whole reply (up to ``max_bytes``), never following a
+        redirect. Error statuses raise (_Retry for transient ones)."""
+        import httpx
+
+        async with httpx.AsyncClient(timeout=self.timeout, follow_redirects=False) as client:
+            async with client.stream("POST", self.url, content=data, headers=headers) as reply:
+                if reply.is_redirect:
+                    raise ComparatorError(self._scrub(
+                        f"the comparator API at {self.url} redirected the request (HTTP {reply.status_code}) to "
+                        f"{reply.headers.get('location', '(no location)')}; comlrl never follows redirects, which "
+                        "would carry the API key to another address. Set comparator_api_url to the address that "
+                        "answers."))
+                if reply.status_code >= 400:
+                    detail = (await _read(reply, _DETAIL_BYTES, cut=True)).decode("utf-8", "replace")
+                    last = self._scrub(f"HTTP {reply.status_code}: {detail}")
+                    if reply.status_code in _RETRY_STATUS:
+                        raise _Retry(last)
+                    raise ComparatorError(f"the comparator API at {self.url} refused the request ({last}).")
+                declared = reply.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > self.max_bytes:
+                    raise self._too_large(int(declared))
+                return await _read(reply, self.max_bytes, too_large=self._too_large)
+
+    def _too_large(self, size: int) -> ComparatorError:
+        return ComparatorError(f"the comparator API at {self.url} sent a reply of {size} bytes or more, beyond "
+                               f"comparator_api_max_response_bytes={self.max_bytes}; raise it if such replies are "
+                               "expected.")
+
+
+async def _read(reply: Any, limit: int, cut: bool = False,
+                too_large: Optional[Callable[[int], Exception]] = None) -> bytes:
+    """The body of a streamed httpx reply, up to ``limit`` bytes: beyond it, the first ``limit``
+    bytes (``cut``) or ``too_large(size)`` is raised."""
+    chunks, size = [], 0
+    async for chunk in reply.aiter_bytes():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            if cut:
+                break
+            raise too_large(size)  # type: ignore[misc]
+    return b"".join(chunks)[:limit]
 
 
 def load_comparator_models(names: Sequence[str], model_config: Optional[Mapping[str, Any]], devices: Sequence[Any]

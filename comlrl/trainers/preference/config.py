@@ -3,13 +3,16 @@ fields and defaults, plus the settings every comlrl trainer shares)."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from typing import Any, Optional, Sequence
+from urllib.parse import urlsplit
 
 from ...engine.config import (Config, check_bool, check_choice, check_float, check_int, check_str, config_class,
                               optional, setting)
 from ...engine.settings import Devices, TrainerConfig, _devices
 from ...exceptions import ConfigError
+from .comparators import HTTP_EXTRA
 
 __all__ = ["MADPOConfig", "MARLHFConfig", "MADPOIterConfig", "MARLHFIterConfig", "RL_ALGORITHMS",
            "COMPARATOR_POLICIES", "REPLAY_MODES"]
@@ -147,6 +150,17 @@ _generation_mode = check_choice("decentralized", "centralized", none_is="decentr
     "centralised": "centralized", "single_agent": "centralized", "single-agent": "centralized"})
 
 
+def _api_url(name: str, value: Any) -> str:
+    url = check_str(name, value)
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{name} must be an http:// or https:// URL with a host, got {url!r}.")
+    if parts.username is not None or parts.password is not None:
+        raise ConfigError(f"{name} must not hold credentials (user:password@); set comparator_api_key_env to the "
+                          "name of an environment variable holding the key.")
+    return url
+
+
 def _headers(name: str, value: Any) -> Optional[dict]:
     if value is None:
         return None
@@ -200,8 +214,8 @@ class _IterativeFields(Config):
                                                              "preference_num_candidates).", optional(check_int(1)))
     comparator_history_k: Optional[int] = setting(None, "comparator_policy='history': compare with the policy from k "
                                                         "iterations ago (default 1).", optional(check_int(1)))
-    comparator_api_url: Optional[str] = setting(None, "comparator_policy='api': the endpoint URL.", optional(check_str),
-                                                may_change=True)
+    comparator_api_url: Optional[str] = setting(None, "comparator_policy='api': the endpoint URL (http or https, no "
+                                                      "credentials in it).", optional(_api_url), may_change=True)
     comparator_api_format: str = setting("generic", "'generic' (comlrl/CoMLRL JSON), 'openai' (chat completions), "
                                                     "'anthropic' (messages), 'openai_responses'.",
                                          check_choice("generic", "openai", "anthropic", "openai_responses",
@@ -213,7 +227,8 @@ class _IterativeFields(Config):
     comparator_api_max_n_per_request: Optional[int] = setting(None, "Candidates asked for per request (None: all in "
                                                                     "one where the format allows).",
                                                               optional(check_int(1)), may_change=True)
-    comparator_api_timeout: float = setting(120.0, "Seconds per request before it times out.", _positive,
+    comparator_api_timeout: float = setting(120.0, "Seconds one whole request may take (connecting, sending and "
+                                                   "reading the whole reply) before it is retried.", _positive,
                                             may_change=True)
     comparator_api_headers: Optional[dict] = setting(None, "Extra HTTP headers (not the key).", _headers,
                                                      may_change=True)
@@ -230,8 +245,11 @@ class _IterativeFields(Config):
                                                                 "holding the completions.", check_str)
     comparator_api_extra_body: Optional[dict] = setting(None, "More JSON fields of every request body.", None)
     # --- comlrl's own ---------------------------------------------------------------------------
-    comparator_api_retries: int = setting(2, "Retries of a failed API request (timeouts, 429, 5xx), with backoff.",
-                                          check_int(0), may_change=True)
+    comparator_api_retries: int = setting(2, "Retries of a failed API request (timeouts, broken or malformed replies, "
+                                             "429, 5xx), with backoff.", check_int(0), may_change=True)
+    comparator_api_max_response_bytes: int = setting(16 * 2**20, "Largest API reply read, in bytes; a larger one "
+                                                                 "stops training with ComparatorError.",
+                                                     check_int(1024), may_change=True)
 
     def validate(self) -> None:
         super().validate()
@@ -275,6 +293,9 @@ class _IterativeFields(Config):
             raise ConfigError("comparator_history_k is only valid when comparator_policy='history'.")
         if policy == "api" and not self.comparator_api_url:
             raise ConfigError("comparator_api_url is required when comparator_policy='api'.")
+        if policy == "api" and importlib.util.find_spec("httpx") is None:
+            raise ConfigError(f"comparator_policy='api' talks HTTP through httpx, which is not installed: {HTTP_EXTRA} "
+                              "(or pip install httpx).")
         if self.comparator_api_key is not None:
             logger.warning("comlrl: comparator_api_key is set in the config; it is never saved or logged, but prefer "
                            "comparator_api_key_env (the name of an environment variable holding the key).")

@@ -3,7 +3,9 @@
 Each iteration:
 
     snapshot   the agents as they start the iteration, when policy_checkpoint_dir is set or the
-               comparator is 'history' (transformers folders, policy_checkpoints/iteration_NNNN)
+               comparator is 'history' (transformers folders, policy_checkpoints/run-<id>/iteration_NNNN,
+               bound to the run: the sha256 of every file is kept in the checkpoints, and a snapshot
+               that another run wrote or that changed since is refused, never compared against)
     pairs      the current policy's candidates against the comparator's candidates of the same
                index (comparators: comlrl.trainers.preference.comparators), both scored by the task
                reward (MARLHFIter may score with its previous reward model), pairs by pair_selection
@@ -13,7 +15,8 @@ Each iteration:
     train      MADPOIter: num_train_epochs of DPO (reference: the policy starting the iteration);
                MARLHFIter: a fresh reward model on the pairs, then num_train_epochs of the online phase
 
-Checkpoints hold every shard, so a resume needs nothing outside the checkpoint.
+Checkpoints hold every shard, so a resume needs nothing outside the checkpoint but the policy
+snapshots of the 'history' comparator, which it verifies against the hashes the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -32,7 +36,9 @@ import wandb  # noqa: F401  (CoMLRL's module global)
 
 from ...engine import distributed as dist
 from ...engine.timing import PhaseTimer
-from ...exceptions import CheckpointError, ConfigError
+from ..._io import own_dir, refuse_link, temp_sibling
+from ...checkpoint.files import tree_hashes
+from ...exceptions import CheckpointDirError, CheckpointError, ConfigError
 from ...functional.preference import lambda_decay_weights, replay_draws, reward_histogram, select_comparison_pairs
 from ...rollout import make_backend
 from .comparators import ApiComparator, load_comparator_models
@@ -91,6 +97,7 @@ class _Iterative:
             raise ConfigError("comparator_policy='history' with LoRA agents is not supported yet; use 'current', "
                               "'model' or 'api'.")
         self._snapshots = uses_history
+        self._snapshot_files: dict[int, dict[str, str]] = {}  # iteration -> {file: sha256} of its snapshot
         self._api = ApiComparator(a) if a.comparator_policy == "api" else None
         self._comparator_models: Optional[tuple[list[Any], list[Any]]] = None
         if a.comparator_policy == "model":
@@ -103,9 +110,20 @@ class _Iterative:
             self._comparator_models = load_comparator_models(names * (self.num_agents // len(names)),
                                                              self.model_config, devices)
 
+    def _check_training_inputs(self) -> None:
+        super()._check_training_inputs()
+        if self._api is not None:  # the key is needed to train, not to build the trainer (export)
+            self._api.check_key()
+
     # --- output folders (beside the metrics) ---------------------------------------------------------
     def _folder(self, configured: Optional[str], name: str) -> Path:
-        return Path(configured) if configured else (self._root or Path(self.args.output_dir)) / name
+        """A configured folder (the user's choice, wherever it points), else ``name`` beside the
+        metrics, which is never a symbolic link (written through, it would overwrite elsewhere)."""
+        if configured:
+            return Path(configured)
+        folder = (self._root or Path(self.args.output_dir)) / name
+        refuse_link(folder, f"the {name} folder", CheckpointDirError)
+        return folder
 
     def _comparator_devices(self) -> list[Any]:
         from ...engine.devices import DeviceScheduler
@@ -146,29 +164,60 @@ class _Iterative:
 
     # --- snapshots of the policy (history comparator, policy_checkpoint_dir) ----------------------------
     def _snapshot_dir(self, iteration: int) -> Path:
-        return self._folder(self.args.policy_checkpoint_dir, "policy_checkpoints") / f"iteration_{iteration:04d}"
+        """This run's snapshot of ``iteration``: a folder of its own per run (``run-<first 8 hex
+        digits of the run id>``), so that runs sharing an output_dir never overwrite each other's."""
+        root = self._folder(self.args.policy_checkpoint_dir, "policy_checkpoints")
+        return root / f"run-{self.run_id[:8]}" / f"iteration_{iteration:04d}"
 
     def _save_snapshot(self) -> None:
         if not self._snapshots:
             return
+        target = self._snapshot_dir(self._iteration)
+        self._snapshot_files[self._iteration] = dist.main_process_first_result(
+            lambda: self._write_snapshot(target), self.dist)
+
+    def _write_snapshot(self, target: Path) -> dict[str, str]:
+        """Write the snapshot (replacing only one this run wrote) and return its files' hashes."""
+        from ...checkpoint.export import export_record
         from ...engine.persistence import _write_agents
 
-        target = self._snapshot_dir(self._iteration)
-        dist.main_process_first_result(lambda: _write_agents(target, self._exported(), False), self.dist)
+        record = export_record(target) if target.is_dir() else None
+        if record is not None and record["run_id"] != self.run_id:
+            raise CheckpointError(f"{target} holds another run's policy snapshot (run {record['run_id']}); it is never "
+                                  "replaced. Set policy_checkpoint_dir to another folder.")
+        own_dir(target.parent, "the policy snapshot folder", CheckpointDirError)
+        _write_agents(target, self._exported(), False, self.run_id)
+        return tree_hashes(target)
 
     def _history_models(self) -> tuple[list[Any], list[Any]]:
-        """The agents as they started iteration ``max(0, i - comparator_history_k)``."""
+        """The agents as they started iteration ``max(0, i - comparator_history_k)``, from the
+        snapshot this run wrote then, checked file by file against the hashes it kept."""
         from transformers import AutoModelForCausalLM
 
-        source = self._snapshot_dir(max(0, self._iteration - (self.args.comparator_history_k or 1)))
+        iteration = max(0, self._iteration - (self.args.comparator_history_k or 1))
+        source = self._snapshot_dir(iteration)
+        self._check_snapshot(iteration, source)
         models = []
         for a, device in enumerate(self.agent_devices):
-            folder = source / f"agent_{a}"
-            if not (folder / "config.json").is_file():
-                raise CheckpointError(f"comparator_policy='history' needs the saved policy {folder}, which is missing; "
-                                      "keep policy_checkpoint_dir with the run's checkpoints.")
-            models.append(AutoModelForCausalLM.from_pretrained(folder).to(device).eval().requires_grad_(False))
+            models.append(AutoModelForCausalLM.from_pretrained(source / f"agent_{a}").to(device).eval()
+                          .requires_grad_(False))
         return models, list(self.tokenizers)
+
+    def _check_snapshot(self, iteration: int, source: Path) -> None:
+        expected = self._snapshot_files.get(iteration)
+        if expected is None:
+            raise CheckpointError(f"comparator_policy='history' needs this run's policy snapshot of iteration "
+                                  f"{iteration}, of which the run holds no record; resume from a checkpoint written "
+                                  "after it.")
+        if not source.is_dir() or source.is_symlink():
+            raise CheckpointError(f"comparator_policy='history' needs the saved policy {source}, which is missing; "
+                                  "keep policy_checkpoint_dir with the run's checkpoints.")
+        found = tree_hashes(source)
+        changed = sorted(set(found) ^ set(expected) | {f for f in found if found[f] != expected.get(f)})
+        if changed:
+            raise CheckpointError(f"the policy snapshot {source} is not the one this run saved (written by another run, "
+                                  f"or changed since: {', '.join(changed[:4])}); comparing against it would train on "
+                                  "wrong weights. Restore it, or start the run again.")
 
     # --- pairs against the comparator --------------------------------------------------------------------
     def _generate_pairs(self, timer: PhaseTimer) -> tuple[list[PreferencePair], dict]:
@@ -236,10 +285,23 @@ class _Iterative:
                 row = batch.rows[g]
                 texts = [self._api.candidates(str(batch.prompts[a][g]), a, row, count) for a in range(self.num_agents)]
                 width = min(len(t) for t in texts)
-                texts = [t[:width] for t in texts]
+                clipped = [[self._clipped(text, a) for text in t[:width]] for a, t in enumerate(texts)]
+                texts = [[text for text, _ in agent] for agent in clipped]
                 rewards = self.reward(texts, batch.prompts[0][g], row).tolist() if width else []
-                out.append(_Candidates(texts, None, rewards))
+                out.append(_Candidates(texts, [[ids for _, ids in agent] for agent in clipped], rewards))
         return out
+
+    def _clipped(self, text: str, agent: int) -> tuple[str, torch.Tensor]:
+        """An API completion as the agent's own would be: at most ``max_new_tokens`` tokens of its
+        tokenizer (an endpoint may ignore the limit), ending with EOS unless cut short."""
+        tokenizer, limit = self.tokenizers[agent], self.args.max_new_tokens
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= limit:
+            ids = ids[:limit]
+            text = tokenizer.decode(ids)
+        else:
+            ids = ids + [tokenizer.eos_token_id]
+        return text, torch.tensor(ids, dtype=torch.long)
 
     @staticmethod
     def _candidates_of(turn: Any, group: int, k: int, with_ids: bool = True) -> _Candidates:
@@ -358,7 +420,8 @@ class _Iterative:
 
     def _algorithm_state(self) -> dict[str, Any]:
         return {**super()._algorithm_state(), "iteration": self._iteration,
-                "replay": [[number, len(shard)] for number, shard in self._replay]}
+                "replay": [[number, len(shard)] for number, shard in self._replay],
+                "snapshots": {str(i): dict(files) for i, files in sorted(self._snapshot_files.items())}}
 
     def _load_algorithm_state(self, state: dict[str, Any], tensors: Optional[dict[str, torch.Tensor]] = None) -> None:
         iteration, replay = state.get("iteration"), state.get("replay")
@@ -379,6 +442,7 @@ class _Iterative:
                                       f"{entry[1]}.")
             shards.append((entry[0], shard))
         self._iteration, self._replay = iteration, shards
+        self._snapshot_files = _snapshot_records(state.get("snapshots", {}), iteration)
 
 
 class MADPOIterTrainer(_Iterative, MADPOTrainer):
@@ -432,6 +496,23 @@ class MARLHFIterTrainer(_Iterative, MARLHFTrainer):
         self._reward_trained = bool(state.get("reward_trained", False))
 
 
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _snapshot_records(value: Any, iteration: int) -> dict[int, dict[str, str]]:
+    """The checkpoint's record of the policy snapshots (``{"<iteration>": {file: sha256}}``),
+    checked: iterations up to the current one, relative file names, sha256 digests."""
+    def ok_files(files: Any) -> bool:
+        return isinstance(files, dict) and all(
+            isinstance(k, str) and k and not k.startswith("/") and ".." not in Path(k).parts
+            and isinstance(v, str) and _SHA256.match(v) for k, v in files.items())
+
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k.isdigit() and int(k) <= iteration
+                                              and ok_files(v) for k, v in value.items()):
+        raise CheckpointError(f"this checkpoint's policy snapshot record {value!r:.120} is malformed.")
+    return {int(k): dict(v) for k, v in value.items()}
+
+
 def _plot_distribution(path: Path, record: dict[str, Any]) -> None:
     """Two histograms (all candidates; the pairs trained on) of the current policy's and the
     comparator's rewards, as a PNG."""
@@ -453,7 +534,11 @@ def _plot_distribution(path: Path, record: dict[str, Any]) -> None:
         ax.legend(fontsize=8)
     axes[0].set_ylabel("count")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    tmp = temp_sibling(path, suffix=".png")
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if tmp.exists():
+            tmp.unlink()

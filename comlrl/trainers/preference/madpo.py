@@ -378,7 +378,7 @@ class MADPOTrainer(Trainer):
     def _eval_completions(self, turns, group: int) -> list[list[str]]:
         if self.centralized_collaboration is None:
             return super()._eval_completions(turns, group)
-        row = self._table("eval").rows[turns[0].nodes[group].index]
+        row = self._table("eval").item(turns[0].nodes[group].index)
         split = [self.centralized_collaboration.split(t.completions[0][group], row) for t in turns]
         return [[outputs[r] for outputs in split] for r in range(self.num_roles)]
 

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..._io import atomic_write_text
+from ..._io import atomic_write_text, temp_sibling
 from ...rollout import Rollout, left_pad
 
 __all__ = ["AgentPreferenceTensors", "PreferencePair", "PairSet", "pair_batch", "write_shard", "read_shard"]
@@ -159,11 +159,15 @@ def write_shard(directory: Path, iteration: int, pair_set: PairSet) -> tuple[Pat
                          "comparator_raw_reward": p.comparator_raw_reward, "item_index": p.item_index},
                         ensure_ascii=False, allow_nan=False) for p in pair_set.pairs]
     paths = (directory / f"{stem}.jsonl", directory / f"{stem}.safetensors")
-    tmp = paths[1].with_name(f".{paths[1].name}.tmp-{os.getpid()}")
-    save_file(pair_set.to_tensors(), str(tmp))
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, paths[1])
+    tmp = temp_sibling(paths[1])  # created exclusively: nothing planted at a guessable name is written through
+    try:
+        save_file(pair_set.to_tensors(), str(tmp))
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, paths[1])
+    finally:
+        if tmp.exists():
+            tmp.unlink()
     atomic_write_text(paths[0], "".join(line + "\n" for line in lines))  # fsyncs the directory too
     return paths
 

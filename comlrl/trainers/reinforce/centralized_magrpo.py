@@ -67,7 +67,7 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
     def _eval_completions(self, turns, group: int) -> list[list[str]]:
         """``[role][turn]``: eval item ``group``'s joint completions split into the roles' outputs
         (evaluation plays one chain per item, so node ``group`` of every turn is that item's)."""
-        row = self._table("eval").rows[turns[0].nodes[group].index]
+        row = self._table("eval").item(turns[0].nodes[group].index)
         split = [self._roles.split(turn.completions[0][group], row) for turn in turns]
         return [[outputs[r] for outputs in split] for r in range(self.num_roles)]
 
