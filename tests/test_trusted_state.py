@@ -29,9 +29,13 @@ def run(make_trainer, tmp_path):
 
 def forge_tensors(checkpoint, rel, edit):
     """Edit a tensor file of a checkpoint and re-hash it in the manifest."""
+    from safetensors import safe_open
+
     tensors = load_file(str(checkpoint / rel))
+    with safe_open(str(checkpoint / rel), "pt") as handle:
+        metadata = handle.metadata()  # tied weights' aliases: a forger keeps them
     edit(tensors)
-    save_file(tensors, str(checkpoint / rel))
+    save_file(tensors, str(checkpoint / rel), metadata=metadata)
     raw = (checkpoint / rel).read_bytes()
 
     def listed(body):
@@ -97,7 +101,7 @@ def test_forged_moments_are_refused_at_load_not_a_step_later(make_trainer, run, 
 
 def test_non_finite_weights_are_refused(make_trainer, run):
     forge_tensors(run / "checkpoint-2", "agent-1/model.safetensors",
-                  lambda t: t.update({"lm_head.weight": t["lm_head.weight"] * float("inf")}))
+                  lambda t: t.update({"model.embed_tokens.weight": t["model.embed_tokens.weight"] * float("inf")}))
     with pytest.raises(CheckpointError, match="agent-1 weight .* holds non-finite values"):
         make_trainer(num_train_epochs=3, warmup_steps=3).load_checkpoint(run / "checkpoint-2")
 

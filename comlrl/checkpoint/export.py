@@ -163,10 +163,10 @@ _TMP = ".tmp-export-"  # an interrupted export's scratch folder inside its targe
 
 
 def _present(target: Path) -> set[str]:
-    """Every file (and link) below ``target``, as relative paths; not the marker itself."""
-    for leftover in target.glob(f"{_TMP}*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    return {p.relative_to(target).as_posix() for p in target.rglob("*") if not p.is_dir() or p.is_symlink()} - {MARKER}
+    """Every file (and link) below ``target``, as relative paths; not the marker itself, nor an
+    export's scratch folder."""
+    return {rel for p in target.rglob("*") if (not p.is_dir() or p.is_symlink())
+            and not (rel := p.relative_to(target).as_posix()).startswith(_TMP)} - {MARKER}
 
 
 def _earlier_export(target: Path) -> Optional[dict[str, Any]]:
@@ -180,8 +180,9 @@ def _earlier_export(target: Path) -> Optional[dict[str, Any]]:
                           "the export.")
     record = export_record(target) or {"folders": [], "files": [], "run_id": None}
     foreign = sorted(_present(target) - set(record["files"]))
-    if foreign or (not record["files"] and any(target.iterdir()) and export_record(target) is None):
-        found = foreign or sorted(p.name for p in target.iterdir())
+    entries = sorted(p.name for p in target.iterdir() if not p.name.startswith(_TMP))
+    if foreign or (not record["files"] and entries and export_record(target) is None):
+        found = foreign or entries
         raise ConfigError(f"{target} already holds files export did not write ({', '.join(found[:5])}"
                           f"{', ...' if len(found) > 5 else ''}); nothing was written or removed. Choose a new or "
                           "empty directory.")
@@ -206,6 +207,9 @@ def write_export(target: Path, fill: Callable[[Path], None], origin: str, run_id
     earlier = _earlier_export(target)
     parent = target if earlier is not None else target.parent
     parent.mkdir(parents=True, exist_ok=True)
+    if earlier is not None:  # an interrupted export's scratch folder
+        for leftover in target.glob(f"{_TMP}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
     tmp = parent / f"{_TMP}{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:

@@ -116,7 +116,7 @@ def looks_like(path: Path) -> str:
     names = sorted(p.name for p in path.iterdir())
     if "training_state.pt" in names:
         return "written by CoMLRL 1.4.3 (training_state.pt)"
-    if RNG_FILE in names or any(_SLOT.match(n) for n in names):
+    if RNG_FILE in names or any(SLOT_NAME.match(n) for n in names):
         return f"a comlrl checkpoint whose {MANIFEST_FILE} is missing (an interrupted copy, or the manifest was lost)"
     if any(n in _HF_TRAINER_FILES for n in names):
         return f"written by the Hugging Face Trainer ({', '.join(n for n in names if n in _HF_TRAINER_FILES)})"

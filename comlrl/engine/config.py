@@ -233,6 +233,17 @@ def config_class(cls: type) -> type:
     return cls
 
 
+def field_defaults(cls: type) -> dict[str, Any]:
+    """Each field's default value, as :meth:`Config.to_dict` would write it."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            out[f.name] = f.default_factory()  # type: ignore[misc]
+    return {name: _plain(value) for name, value in out.items()}
+
+
 def resumable_fields(cls: type) -> frozenset[str]:
     """Fields that may differ between a checkpoint and the run resuming it."""
     return frozenset(f.name for f in dataclasses.fields(cls) if f.metadata.get("may_change_on_resume"))

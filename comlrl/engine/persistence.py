@@ -16,7 +16,7 @@ from ..checkpoint.fingerprint import callable_fingerprint, compare_fingerprints,
 from ..checkpoint.manager import CheckpointManager, Slots, checkpoint_state
 from ..exceptions import ConfigError, ResumeMismatchError, TrainingError
 from . import distributed as dist
-from .config import resumable_fields
+from .config import field_defaults, resumable_fields
 from .layouts import module_layout, slot_index
 from .state import TrainState
 
@@ -147,7 +147,7 @@ class Persistence:
             return {k: v for k, v in fingerprints.items() if k not in unchecked}
 
         state = self.checkpoints.load(path, self._saved_slots(), checked(self._fingerprints()), rank=self.dist.rank,
-                                      saved_fingerprints=lambda s: checked(s["fingerprints"]))
+                                      saved_fingerprints=lambda s: checked(self._with_new_defaults(s["fingerprints"])))
         if state["world_size"] != self.dist.world_size and self.dist.is_main:
             logger.warning("comlrl: %s was written by %d process(es) and resumes on %d: the run continues within "
                            "float tolerance of the uninterrupted one, not bit for bit.", path, state["world_size"],
@@ -172,9 +172,20 @@ class Persistence:
         path = Path(path)
         if is_legacy_checkpoint(path):
             return
-        differences = compare_fingerprints(checkpoint_state(path)["fingerprints"], self._fingerprints())
+        saved = self._with_new_defaults(checkpoint_state(path)["fingerprints"])
+        differences = compare_fingerprints(saved, self._fingerprints())
         if differences:
             raise ResumeMismatchError(str(path), differences)
+
+    def _with_new_defaults(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """A saved fingerprint record with the config fields it predates (added to comlrl after the
+        checkpoint was written) at their defaults: a run that leaves them so resumes as before."""
+        config = saved.get("config")
+        if not isinstance(config, dict):
+            return saved
+        fixed = resumable_fields(type(self.args))
+        defaults = {k: v for k, v in field_defaults(type(self.args)).items() if k not in config and k not in fixed}
+        return {**saved, "config": {**config, **defaults}}
 
     def save_checkpoint(self, output_dir: Union[str, os.PathLike]) -> str:
         """Write the current state as a checkpoint directory ``output_dir`` (CoMLRL's API) and
