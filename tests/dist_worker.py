@@ -98,7 +98,7 @@ else:
                              args=IACConfig(use_separate_critic=opts.family != "iac-shared", **ac))
 trainer.train(resume_from_checkpoint=opts.resume, checkpoint_dir=opts.run_dir / "ckpt")
 trainer.save_model(opts.run_dir / "saved")
-slots = trainer._slots()
+slots = trainer.trained_slots()
 tensors = {f"{s}.{n}": p.detach().cpu().contiguous() for s, m in slots.modules.items() for n, p in m.named_parameters()}
 for s, opt in slots.optimizers.items():
     for idx, st in opt.state_dict()["state"].items():

@@ -17,7 +17,7 @@ def state_of(trainer):
     import torch
 
     out = {}
-    slots = trainer._slots()
+    slots = trainer.trained_slots()
     for slot, module in slots.modules.items():
         for n, p in module.named_parameters():
             out[f"{slot}.param.{n}"] = p.detach().clone()
@@ -50,7 +50,7 @@ def record_gradients(trainer):
             steps[-1].update(grads)
         return record
 
-    for slot, opt in trainer._slots().optimizers.items():
+    for slot, opt in trainer.trained_slots().optimizers.items():
         opt.register_step_pre_hook(hook(slot))
     return steps
 

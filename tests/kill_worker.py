@@ -60,7 +60,7 @@ else:
 latest = find_latest_checkpoint(run_dir / "ckpt")
 trainer.train(resume_from_checkpoint=latest, checkpoint_dir=run_dir / "ckpt", save_steps=1,
               checkpoint_total_limit=3)
-slots = trainer._slots()
+slots = trainer.trained_slots()
 tensors = {f"{s}.{n}": p.detach().contiguous() for s, m in slots.modules.items() for n, p in m.named_parameters()}
 for s, opt in slots.optimizers.items():
     for idx, st in opt.state_dict()["state"].items():

@@ -245,7 +245,7 @@ def test_train_steps_every_module(make_ac, kind):
     before = {k: v.clone() for k, v in state_of(trainer).items() if ".param." in k}
     trainer.train()
     after = state_of(trainer)
-    for slot in trainer._slots().modules:
+    for slot in trainer.trained_slots().modules:
         assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith(slot + ".")), slot
     assert any(torch.count_nonzero(v) for k, v in after.items() if ".opt." in k and k.endswith("exp_avg"))
     for ref in trainer.reference_models:

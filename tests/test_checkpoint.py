@@ -306,7 +306,7 @@ def test_a_snapshot_reuses_the_previous_buffers_and_holds_a_copy(make_trainer):
 
     trainer = make_trainer(num_train_epochs=1)
     trainer.train()
-    slots = trainer._slots()
+    slots = trainer.trained_slots()
     first = files.snapshot(1, {"run_id": "x"}, slots.modules, slots.optimizers, {})
     weights = first.files["agent-0/model.safetensors"][0]
     name = next(iter(weights))

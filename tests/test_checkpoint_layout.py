@@ -98,7 +98,7 @@ def test_lora_agents_are_peft_adapter_folders(tmp_path, model_path):
 @pytest.mark.parametrize("kind", ["iac", "iac-shared", "maac"])
 def test_value_models_load_with_their_heads(tmp_path, model_path, kind):
     trainer, checkpoint = _trained(tmp_path, kind, model_path)
-    slots = trainer._slots().modules
+    slots = trainer.trained_slots().modules
     value_slots = [s for s in slots if s.startswith("critic")] if kind != "iac-shared" else list(slots)
     for slot in value_slots:
         folder = checkpoint / slot
@@ -114,7 +114,7 @@ def test_value_models_load_with_their_heads(tmp_path, model_path, kind):
 
 
 def _digests(trainer):
-    slots = trainer._slots()
+    slots = trainer.trained_slots()
     out = {}
     for slot, module in slots.modules.items():
         out.update({f"{slot}.param.{n}": hashlib.sha256(p.detach().contiguous().numpy().tobytes()).hexdigest()

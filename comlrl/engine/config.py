@@ -62,6 +62,7 @@ def setting(default: Any, doc: str, check: Optional[Check] = None, may_change: b
 # --- reusable checks ------------------------------------------------------------------------------
 
 def check_int(minimum: int, maximum: Optional[int] = None) -> Check:
+    """A check for an int (not a bool) in ``[minimum, maximum]``."""
     def check(name: str, value: Any) -> int:
         if not isinstance(value, int) or isinstance(value, bool) or value < minimum or \
                 (maximum is not None and value > maximum):
@@ -72,6 +73,7 @@ def check_int(minimum: int, maximum: Optional[int] = None) -> Check:
 
 
 def check_float(ok: Callable[[float], bool], what: str) -> Check:
+    """A check for a finite number for which ``ok(value)`` holds; ``what`` says so in the error."""
     def check(name: str, value: Any) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
             raise ConfigError(f"{name} must be a number {what}, got {value!r}. Change {name}.")
@@ -80,6 +82,7 @@ def check_float(ok: Callable[[float], bool], what: str) -> Check:
 
 
 def check_bool(name: str, value: Any) -> bool:
+    """The check of a True / False field."""
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, got {value!r}.")
     return value
@@ -100,6 +103,7 @@ def check_choice(*choices: str, aliases: Optional[dict[str, str]] = None, none_i
 
 
 def check_str(name: str, value: Any) -> str:
+    """The check of a non-empty string field."""
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{name} must be a non-empty string, got {value!r}.")
     return value

@@ -52,7 +52,7 @@ class Persistence:
                 "tokenizers": [tokenizers[id(t)] for t in self.tokenizers],
                 "dataset": self._table("train").fingerprint,
                 **self._code_fingerprints(),
-                **self._fingerprint_extra(),
+                **self.fingerprint_extra(),
             }
         fingerprints = dict(self._fingerprint_cache)
         fixed = resumable_fields(type(self.args))  # the config may be edited between train() calls
@@ -78,19 +78,19 @@ class Persistence:
                 "log_window": self.state.window.to_dict(), "num_train_epochs": self.args.num_train_epochs,
                 "wandb": self.wandb_identity, "trackers": dict(self.tracker_identities), "config": self.args.to_dict(),
                 "fingerprints": self._fingerprints(), "comlrl_version": __version__, "launch": self.launch_config,
-                "algorithm": self._algorithm_state(), "folders": self._export_folders()}
+                "algorithm": self.algorithm_state(), "folders": self._export_folders()}
 
     def _export_folders(self) -> dict[str, str]:
         """``{slot: folder}``: where ``save_model`` puts each exported module (``agent-0`` ->
         ``agent_0``, an IAC critic ``critic-0`` -> ``agent_0/critic``), kept in every checkpoint so
         that ``comlrl export`` needs nothing but the checkpoint."""
-        by_module = {id(m): slot for slot, m in self._slots().modules.items()}
+        by_module = {id(m): slot for slot, m in self.trained_slots().modules.items()}
         return {by_module[id(m)]: folder for folder, m, _ in self._exported() if id(m) in by_module}
 
     def _saved_slots(self) -> Slots:
         """:meth:`_slots` with each module's folder layout (:mod:`comlrl.engine.layouts`); side
         files are built once per module and kept with it."""
-        slots = self._slots()
+        slots = self.trained_slots()
         cache = self.__dict__.setdefault("_layout_cache", {})
         for slot, module in slots.modules.items():
             if (slot, id(module)) not in cache:  # the module is kept alive beside its layout: ids stay its own
@@ -103,12 +103,12 @@ class Persistence:
         index = slot_index(slot)
         return self.tokenizers[index] if index is not None and index < len(self.tokenizers) else self.tokenizers[0]
 
-    def _algorithm_state(self) -> dict[str, Any]:
+    def algorithm_state(self) -> dict[str, Any]:
         """Family-specific JSON state to save (e.g. a phase of a multi-phase algorithm)."""
         return {}
 
-    def _load_algorithm_state(self, state: dict[str, Any], tensors: Optional[dict[str, torch.Tensor]] = None) -> None:
-        """Restore what :meth:`_algorithm_state` saved (and the family's tensors, see
+    def load_algorithm_state(self, state: dict[str, Any], tensors: Optional[dict[str, torch.Tensor]] = None) -> None:
+        """Restore what :meth:`algorithm_state` saved (and the family's tensors, see
         :meth:`comlrl.engine.trainer.Trainer._slots`)."""
 
     def _save(self, number: int, limit: Optional[int]) -> Path:
@@ -127,7 +127,7 @@ class Persistence:
         dist.main_process_first_result(self.checkpoints.wait, self.dist)
 
     def _check_finite_weights(self, number: int) -> None:
-        for slot, module in self._slots().modules.items():
+        for slot, module in self.trained_slots().modules.items():
             if not all(bool(torch.isfinite(p).all()) for p in module.parameters()):
                 raise TrainingError(f"checkpoint-{number} was not written: {slot} has non-finite weights (the last "
                                     "optimizer step diverged). Lower the learning rate and resume from the previous "
@@ -158,7 +158,7 @@ class Persistence:
         self.wandb_identity = state["wandb"]
         self.tracker_identities = dict(state["trackers"])
         self._reset_pending()
-        self._load_algorithm_state(state["algorithm"], state.get("data"))
+        self.load_algorithm_state(state["algorithm"], state.get("data"))
         logger.info("comlrl: resumed %s at epoch %d, env_step %d", path, self.state.epoch, self.state.env_step)
         return self.state.checkpoint
 

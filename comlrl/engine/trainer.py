@@ -26,7 +26,7 @@ from ..rollout import Rollout, SamplingParams, make_backend
 from ..tracking import Tracker, TrackerContext, active_trackers, check_wandb_config, open_trackers
 from ..tracking.wandb import verbose_from_wandb_config
 from . import distributed as dist
-from .collect import Collector, PromptBatch
+from .collect import Collector, PromptBatch, train_seeds
 from .episode import ExternalTransition
 from .evaluation import Evaluation
 from .inputs import (agent_count, check_context, check_tokenizers_usable, distinct_modules, frozen_copies,
@@ -47,16 +47,19 @@ logger = logging.getLogger("comlrl")
 
 
 class Trainer(Evaluation, Persistence):
-    """Base of every trainer (see the module docstring). Not used directly."""
+    """Base of every trainer (see the module docstring and docs/extending.md); a family sets
+    ``config_class`` and ``algorithm_name`` and implements :meth:`collect` and
+    :meth:`optimizer_step`. The keyword arguments are those of :class:`MAGRPOTrainer`."""
 
     config_class: type[TrainerConfig] = TrainerConfig
     algorithm_name = "Trainer"
 
-    def __init__(self, *, args: Optional[TrainerConfig], agent_model: Any, agents: Optional[Sequence[Any]],
-                 num_agents: Optional[int], tokenizer: Any, model_config: Optional[Mapping[str, Any]],
-                 train_dataset: Any, eval_dataset: Any, reward_func: Any, reward_processor: Any, formatters: Any,
-                 external_transition: Any, wandb_config: Optional[Mapping[str, Any]], eval_logger: Any,
-                 eval_aggregator: Any, peft_config: Any = None):
+    def __init__(self, *, args: Optional[TrainerConfig] = None, agent_model: Any = None,
+                 agents: Optional[Sequence[Any]] = None, num_agents: Optional[int] = None, tokenizer: Any = None,
+                 model_config: Optional[Mapping[str, Any]] = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 reward_func: Any = None, reward_processor: Any = None, formatters: Any = None,
+                 external_transition: Any = None, wandb_config: Optional[Mapping[str, Any]] = None,
+                 eval_logger: Any = None, eval_aggregator: Any = None, peft_config: Any = None):
         self.args = self._check_args(args)
         self.wandb_config = check_wandb_config(wandb_config)
         if not callable(reward_func):
@@ -152,7 +155,7 @@ class Trainer(Evaluation, Persistence):
         """Optimizer steps of the whole run, for the progress bar (None: not known up front)."""
         size, batch = len(self.epoch_order(0)), self._buffer_prompts()
         per_epoch = sum(math.ceil(min(batch, size - s) / self._step_prompts()) for s in range(0, size, batch))
-        return self.args.num_train_epochs * per_epoch * self._update_passes()
+        return self.args.num_train_epochs * per_epoch * self.update_passes()
 
     def _epoch_position(self, epoch: float) -> float:
         """The ``epoch`` value of a logged row (a family with phases may offset it)."""
@@ -172,7 +175,7 @@ class Trainer(Evaluation, Persistence):
         """Prompts per optimizer step."""
         return self.args.train_batch_size
 
-    def _update_passes(self) -> int:
+    def update_passes(self) -> int:
         """How many times the optimizer steps go over one buffer's episodes (PPO's epochs)."""
         return 1
 
@@ -237,7 +240,7 @@ class Trainer(Evaluation, Persistence):
         return {"gpu_memory_utilization": self.args.vllm_gpu_memory_utilization,
                 "mixed_precision": self.args.mixed_precision, "engine_kwargs": self.args.vllm_engine_kwargs}
 
-    def _autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager:
         """``torch.autocast(bfloat16)`` on every device type the agents use, with
         ``mixed_precision="bf16"``; nothing otherwise."""
         stack = contextlib.ExitStack()
@@ -282,7 +285,7 @@ class Trainer(Evaluation, Persistence):
                          tokenizers=self.tokenizers, eos_token_ids=self._resolved.eos_token_ids, chat=table.chat,
                          formatters=self.formatters, reward=self.reward, transition=self.transition,
                          joint_mode=getattr(self.args, "joint_mode", "aligned"),
-                         passthrough=self.args.external_prompt_passthrough, autocast=self._autocast)
+                         passthrough=self.args.external_prompt_passthrough, autocast=self.autocast)
 
     def epoch_order(self, epoch: int) -> list[int]:
         """Dataset indices of ``epoch`` in training order (a pure function of seed and epoch)."""
@@ -305,18 +308,20 @@ class Trainer(Evaluation, Persistence):
                                            collate_fn=list)
 
     # ------------------------------------------------------------------------------------------
-    # the algorithm (families)
+    # the algorithm: the hooks a trainer family implements (docs/extending.md)
     # ------------------------------------------------------------------------------------------
-    def _slots(self) -> Slots:
-        """Every trained module with its optimizer and scheduler, by checkpoint slot."""
+    def trained_slots(self) -> Slots:
+        """Every trained module with its optimizer and scheduler, by checkpoint slot (``agent-i``;
+        a family adds its own, e.g. ``critic-i``). Whatever is here is checkpointed, resumed,
+        fingerprinted and exported; its folder is laid out by :mod:`comlrl.engine.layouts`."""
         return Slots({f"agent-{i}": m for i, m in enumerate(self.agents)},
                      {f"agent-{i}": o for i, o in enumerate(self.optimizers)},
                      {f"agent-{i}": s for i, s in enumerate(self.schedulers)})
 
     def _train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
         """Train on one buffer of prompts (``indices`` into the train table): play its episodes
-        (:meth:`_collect`, this process's share), then one optimizer step (:meth:`_optimizer_step`)
-        per ``train_batch_size`` prompts, :meth:`_update_passes` times over the buffer. Returns the
+        (:meth:`collect`, this process's share), then one optimizer step (:meth:`optimizer_step`)
+        per ``train_batch_size`` prompts, :meth:`update_passes` times over the buffer. Returns the
         buffer's metrics and advances ``global_step`` / ``env_step``.
 
         The played buffer and its finished steps are kept on the trainer until the buffer is done,
@@ -328,13 +333,13 @@ class Trainer(Evaluation, Persistence):
         mine = [dist.shard(c, self.dist) for c in chunks]
         buffer = self._buffer
         if buffer is None or (buffer.epoch, buffer.indices) != (epoch, indices):
-            buffer = self._buffer = self._collect([i for part in mine for i in part], epoch, timer)
+            buffer = self._buffer = self.collect([i for part in mine for i in part], epoch, timer)
             buffer.epoch, buffer.indices = epoch, list(indices)
         offsets = [sum(len(m) for m in mine[:c]) for c in range(len(chunks))]
         buffer.steps = [range(offsets[c], offsets[c] + len(mine[c])) for c in range(len(chunks))]
-        while buffer.steps_done < self._update_passes() * len(chunks):
+        while buffer.steps_done < self.update_passes() * len(chunks):
             with timer("update"):
-                buffer.step_metrics.append(self._optimizer_step(buffer, buffer.steps[buffer.steps_done % len(chunks)]))
+                buffer.step_metrics.append(self.optimizer_step(buffer, buffer.steps[buffer.steps_done % len(chunks)]))
             buffer.steps_done += 1
         self._buffer = None
         merged = merge_records([buffer.record] if buffer.turns else [], self.args.num_turns, self.num_agents, self.dist)
@@ -346,8 +351,8 @@ class Trainer(Evaluation, Persistence):
             metrics[key] = sum(values) / len(values) if key != "train/skipped_steps" else sum(values)
         return metrics
 
-    def _step_all(self, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                  schedulers: Sequence[Any], count: bool = True) -> tuple[dict[str, float], Optional[list[float]]]:
+    def step_modules(self, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                     schedulers: Sequence[Any], count: bool = True) -> tuple[dict[str, float], Optional[list[float]]]:
         """The optimizer step of every trained module, once their gradients are in: wait for the
         checkpoint being written, sum gradients over processes, check, clip, step (see
         :func:`comlrl.engine.step.apply_gradients`), refresh the rollout backend's weights.
@@ -368,15 +373,34 @@ class Trainer(Evaluation, Persistence):
         """The buffer's prompts in the order they are split into optimizer steps."""
         return list(indices)
 
-    def _collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
-        """Rollout, score and returns of this process's prompts ``mine`` of a buffer (in step order)."""
+    def collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
+        """The rollout, score and advantage phases of one buffer: this process's prompts ``mine``
+        (indices into the train table, in optimizer-step order), played with
+        :meth:`play_episodes`, and whatever the family's :meth:`optimizer_step` needs in
+        ``PlayedBuffer.data``. Time each phase with ``timer("name")``."""
         raise NotImplementedError
 
-    def _optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
-        """One optimizer step on the prompts ``groups`` (positions in ``mine``) of the buffer."""
+    def optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
+        """The update phase of one optimizer step: the prompts ``groups`` (positions in ``mine`` of
+        :meth:`collect`; ``buffer.steps`` lists every step's) are back-propagated, then
+        :meth:`step_modules` steps the optimizers. Returns the step's metrics (averaged over the
+        buffer's steps when logged)."""
         raise NotImplementedError
 
-    def _reference_fn(self, agent: int) -> Callable[[Rollout], torch.Tensor]:
+    def play_episodes(self, mine: list[int], epoch: int, timer: Optional[PhaseTimer] = None,
+                      num_generations: Optional[int] = None) -> list[Any]:
+        """Sample and score the episodes of the training prompts ``mine`` for ``epoch``: every
+        agent samples ``num_generations`` (default the config's) completions per node of every
+        turn, batched; rewards come from the reward function, next prompts from the transition.
+        Each completion has its own seeded generator, so the result does not depend on batching
+        or the number of processes. Returns one ``Turn`` per turn played (``comlrl.extend``)."""
+        table = self._table("train")
+        return self._collector(table).play(
+            self._batch(table, mine), num_generations=num_generations or self.args.num_generations,
+            num_turns=self.args.num_turns, seed_of=train_seeds(self.args.seed, epoch),
+            threshold=self.args.early_termination_threshold, timer=timer)
+
+    def reference_log_probs(self, agent: int) -> Callable[[Rollout], torch.Tensor]:
         """The reference policy's log-probs of a rollout's tokens: the agent's frozen initial copy,
         or for a LoRA agent its shared base with adapters disabled."""
         model = self._policies()[agent]
@@ -386,14 +410,15 @@ class Trainer(Evaluation, Persistence):
             target = reference if reference is not None else model
             device = next(target.parameters()).device
             disabled = model.reference() if reference is None else contextlib.nullcontext()
-            with torch.no_grad(), self._autocast(), disabled:
+            with torch.no_grad(), self.autocast(), disabled:
                 out = sequence_log_probs(target, ro.prompt_ids.to(device), ro.prompt_mask.to(device),
                                          ro.completion_ids.to(device), self.args.temperature)
             return out.to(ro.prompt_ids.device)
         return logp
 
-    def _fingerprint_extra(self) -> dict[str, Any]:
-        """Family-specific parts of the fingerprint."""
+    def fingerprint_extra(self) -> dict[str, Any]:
+        """Family-specific parts of the fingerprint: what a resumed run must share with this one
+        beyond the config, models, tokenizers, data and functions (e.g. a LoRA base, a critic)."""
         return {}
 
     def _reset_pending(self) -> None:

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from ...engine import distributed as dist
-from ...engine.collect import train_seeds
 from ...engine.metrics import record_turns
 from ...engine.state import PlayedBuffer
 from ...engine.step import AgentRows, concat_rollouts, select_rows
@@ -196,10 +195,10 @@ class ActorCriticTrainerBase(Trainer):
         permutation = np.random.default_rng([self.args.seed, 7, epoch, indices[0]]).permutation(len(indices))
         return [indices[i] for i in permutation]
 
-    def _slots(self):
+    def trained_slots(self):
         from ...checkpoint.manager import Slots
 
-        slots = super()._slots()
+        slots = super().trained_slots()
         names = self._critic_slot_names()
         slots.modules.update(zip(names, self.critics))
         slots.optimizers.update(zip(names, self.critic_optimizers))
@@ -210,14 +209,11 @@ class ActorCriticTrainerBase(Trainer):
         return [f"critic-{i}" for i in range(len(self.critics))]
 
     # --- the advantage phase --------------------------------------------------------------------
-    def _collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
+    def collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
         args = self.args
         turns = []
         if mine:
-            table = self._table("train")
-            turns = self._collector(table).play(self._batch(table, mine), num_generations=args.num_generations,
-                                                num_turns=args.num_turns, seed_of=train_seeds(args.seed, epoch),
-                                                threshold=args.early_termination_threshold, timer=timer)
+            turns = self.play_episodes(mine, epoch, timer)
         with timer("advantage"):
             data = self._advantages(turns)
         joint = discounted_returns([t.rewards for t in turns], [t.children for t in turns], args.num_generations,
@@ -275,10 +271,10 @@ class ActorCriticTrainerBase(Trainer):
         """``[R]`` float64 KL estimate of each completion to the agent's reference policy."""
         policy = self._policies()[agent]
         policy.eval()
-        with self._autocast():
+        with self.autocast():
             logp = sequence_log_probs(policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                       self.args.temperature)
-        return sequence_kl(logp, self._reference_fn(agent)(ro), ro.completion_mask).cpu()
+        return sequence_kl(logp, self.reference_log_probs(agent)(ro), ro.completion_mask).cpu()
 
     def _buffer_metrics(self, data: dict[str, Any]) -> dict[str, float]:
         """Per agent, over every process: mean value, TD error and (with the KL) reference KL."""
@@ -328,14 +324,14 @@ class ActorCriticTrainerBase(Trainer):
         return AgentRows(concat_rollouts(parts, self.tokenizers[agent].pad_token_id), torch.cat(targets),
                          torch.cat(ids), {"advantages": torch.cat(adv), "old_values": torch.cat(old)})
 
-    def _optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
+    def optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
         """One optimizer step of every agent and critic on the prompts ``groups`` (this process's)."""
         rows = [self._agent_rows(buffer, a, groups) for a in range(self.num_agents)]
         counts = dist.all_reduce_sum([len(r.returns) if r is not None else 0 for r in rows], self.dist)
         losses = [self._agent_backward(a, r, counts[a]) if r is not None else _Losses() for a, r in enumerate(rows)]
         critic_losses = self._critic_backward(buffer, groups)
         totals = dist.all_reduce_sum([x for s in losses + critic_losses for x in (s.policy, s.value)], self.dist)
-        metrics, norms = self._step_all(list(self.agents) + list(self.critics), self.optimizers +
+        metrics, norms = self.step_modules(list(self.agents) + list(self.critics), self.optimizers +
                                         self.critic_optimizers, self.schedulers + self.critic_schedulers)
         if norms is None:
             return metrics
@@ -369,7 +365,7 @@ class ActorCriticTrainerBase(Trainer):
         out = _Losses()
         for piece in rows.micro_batches(self.args.micro_batch_size):
             ro = piece.rollout
-            with self._autocast():
+            with self.autocast():
                 logp = sequence_log_probs(policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                           self.args.temperature)
             loss = self._policy_loss(logp, piece, denominator)
@@ -478,7 +474,7 @@ class ActorCriticTrainerBase(Trainer):
         return self._averaged(sums, "eval/")
 
     # --- fingerprints, run config, export ---------------------------------------------------------
-    def _fingerprint_extra(self) -> dict[str, Any]:
+    def fingerprint_extra(self) -> dict[str, Any]:
         from ...adapters import AdapterAgent, base_fingerprint
         from ...checkpoint.fingerprint import model_fingerprint
 

@@ -111,7 +111,7 @@ class IACTrainer(ActorCriticTrainerBase):
         if self.args.critic_type == "q":
             ids = torch.cat([ids, ro.completion_ids.to(device)], dim=1)
             mask = torch.cat([mask, torch.ones_like(ro.completion_ids, device=device)], dim=1)
-        with self._autocast():
+        with self.autocast():
             hidden = final_hidden_states(model.model, ids, mask)
         return head_values(model, hidden, value_positions(ro, self.args.critic_type))
 
@@ -131,7 +131,7 @@ class IACTrainer(ActorCriticTrainerBase):
         out = _Losses()
         for piece in rows.micro_batches(args.micro_batch_size):
             ro = piece.rollout
-            with self._autocast():
+            with self.autocast():
                 if separate:
                     logp = sequence_log_probs(policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                               args.temperature)

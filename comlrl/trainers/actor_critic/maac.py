@@ -107,7 +107,7 @@ class MAACTrainer(ActorCriticTrainerBase):
     def _critic_values(self, inputs: Rollout) -> torch.Tensor:
         critic = self.critics[0]
         critic.eval()
-        with self._autocast():
+        with self.autocast():
             hidden = final_hidden_states(critic.model, inputs.prompt_ids, inputs.prompt_mask)
         last = torch.full((hidden.shape[0],), hidden.shape[1] - 1, dtype=torch.long)
         return head_values(critic, hidden, last)

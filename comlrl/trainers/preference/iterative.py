@@ -418,17 +418,17 @@ class _Iterative:
             out.update(shard.to_tensors(f"replay{number}."))
         return out
 
-    def _algorithm_state(self) -> dict[str, Any]:
-        return {**super()._algorithm_state(), "iteration": self._iteration,
+    def algorithm_state(self) -> dict[str, Any]:
+        return {**super().algorithm_state(), "iteration": self._iteration,
                 "replay": [[number, len(shard)] for number, shard in self._replay],
                 "snapshots": {str(i): dict(files) for i, files in sorted(self._snapshot_files.items())}}
 
-    def _load_algorithm_state(self, state: dict[str, Any], tensors: Optional[dict[str, torch.Tensor]] = None) -> None:
+    def load_algorithm_state(self, state: dict[str, Any], tensors: Optional[dict[str, torch.Tensor]] = None) -> None:
         iteration, replay = state.get("iteration"), state.get("replay")
         if not isinstance(iteration, int) or not 0 <= iteration <= self.args.num_iterations or \
                 not isinstance(replay, list):
             raise CheckpointError(f"this checkpoint's iteration cursor {state!r:.120} is malformed.")
-        super()._load_algorithm_state(state, tensors)
+        super().load_algorithm_state(state, tensors)
         shards = []
         for entry in replay:
             if not (isinstance(entry, list) and len(entry) == 2 and all(isinstance(v, int) for v in entry)):
@@ -488,11 +488,11 @@ class MARLHFIterTrainer(_Iterative, MARLHFTrainer):
                 with torch.no_grad():
                     side.rewards = self._score(texts).tolist()
 
-    def _algorithm_state(self) -> dict[str, Any]:
-        return {**super()._algorithm_state(), "reward_trained": self._reward_trained}
+    def algorithm_state(self) -> dict[str, Any]:
+        return {**super().algorithm_state(), "reward_trained": self._reward_trained}
 
-    def _load_algorithm_state(self, state: dict[str, Any], tensors: Optional[dict[str, torch.Tensor]] = None) -> None:
-        super()._load_algorithm_state(state, tensors)
+    def load_algorithm_state(self, state: dict[str, Any], tensors: Optional[dict[str, torch.Tensor]] = None) -> None:
+        super().load_algorithm_state(state, tensors)
         self._reward_trained = bool(state.get("reward_trained", False))
 
 

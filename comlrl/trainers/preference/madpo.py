@@ -272,7 +272,7 @@ class MADPOTrainer(Trainer):
         policy.eval()  # no dropout: the margins are those of the policy itself
         device = self.agent_devices[agent]
         batch = pair_batch(pairs, agent, self.tokenizers[agent].pad_token_id)
-        with self._autocast():
+        with self.autocast():
             logp = sequence_log_probs(policy, batch.prompt_ids.to(device), batch.prompt_mask.to(device),
                                       batch.completion_ids.to(device))
         sums = torch.where(batch.completion_mask.to(device), logp, torch.zeros((), device=device)).sum(dim=1)
@@ -305,7 +305,7 @@ class MADPOTrainer(Trainer):
         with timer("update"):
             stats = self._dpo_backward(pairs, ref, float(len(indices)))
             totals = dist.all_reduce_sum(stats, self.dist)
-            metrics, norms = self._step_all(self.agents, self.optimizers, self.schedulers)
+            metrics, norms = self.step_modules(self.agents, self.optimizers, self.schedulers)
         per_pair = args.environment_steps_per_pair if args.use_environment_step else 1
         self.state.env_step += per_pair * len(indices)
         if norms is None:
@@ -383,21 +383,21 @@ class MADPOTrainer(Trainer):
         return [[outputs[r] for outputs in split] for r in range(self.num_roles)]
 
     # --- checkpoints ------------------------------------------------------------------------------
-    def _slots(self):
+    def trained_slots(self):
         from ...checkpoint.manager import Slots
 
-        slots = super()._slots()
+        slots = super().trained_slots()
         data = self._pair_set.to_tensors("pairs.") if self._pair_set is not None else {}
         return Slots(slots.modules, slots.optimizers, slots.schedulers, data={**data, **self._extra_tensors()})
 
     def _extra_tensors(self) -> dict[str, torch.Tensor]:
         return {}
 
-    def _algorithm_state(self) -> dict[str, Any]:
+    def algorithm_state(self) -> dict[str, Any]:
         return {"phase": self._phase, "set_id": self._set_id,
                 "pairs": len(self._pair_set) if self._pair_set is not None else None}
 
-    def _load_algorithm_state(self, state: dict[str, Any], tensors: Optional[dict[str, torch.Tensor]] = None) -> None:
+    def load_algorithm_state(self, state: dict[str, Any], tensors: Optional[dict[str, torch.Tensor]] = None) -> None:
         from ...exceptions import CheckpointError
 
         phase, count = state.get("phase"), state.get("pairs")

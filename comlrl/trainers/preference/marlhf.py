@@ -348,20 +348,20 @@ class MARLHFTrainer(MADPOTrainer):
             self.rl.state, self.rl.run_id = self.state, self.run_id  # a resume replaced them
 
     # --- checkpoints --------------------------------------------------------------------------------
-    def _slots(self):
+    def trained_slots(self):
         from ...checkpoint.manager import Slots
 
-        own = super()._slots()
-        inner = self.rl._slots()
+        own = super().trained_slots()
+        inner = self.rl.trained_slots()
         return Slots({**inner.modules, "reward-model-0": self.reward_model},
                      {**inner.optimizers, "reward-model-0": self.reward_optimizer},
                      {**inner.schedulers, "reward-model-0": self._reward_scheduler}, data=own.data)
 
-    def _fingerprint_extra(self) -> dict[str, Any]:
+    def fingerprint_extra(self) -> dict[str, Any]:
         from ...checkpoint.fingerprint import model_fingerprint
 
-        return {**super()._fingerprint_extra(), "reward_model": model_fingerprint(self.reward_model),
-                "online": self.rl._fingerprint_extra()}
+        return {**super().fingerprint_extra(), "reward_model": model_fingerprint(self.reward_model),
+                "online": self.rl.fingerprint_extra()}
 
     def _run_config_extra(self) -> dict[str, Any]:
         return {**super()._run_config_extra(), "rl_algorithm": self.args.rl_algorithm}

@@ -71,10 +71,10 @@ class CentralizedMAGRPOTrainer(MAGRPOTrainer):
         split = [self._roles.split(turn.completions[0][group], row) for turn in turns]
         return [[outputs[r] for outputs in split] for r in range(self.num_roles)]
 
-    def _fingerprint_extra(self) -> dict[str, Any]:
+    def fingerprint_extra(self) -> dict[str, Any]:
         from ...checkpoint.fingerprint import callable_fingerprint
 
-        return {**super()._fingerprint_extra(), "num_roles": self.num_roles,
+        return {**super().fingerprint_extra(), "num_roles": self.num_roles,
                 "role_formatters": [callable_fingerprint(f.source) for f in self._roles.formatters],
                 "adapter": type(self.centralized_adapter).__qualname__}
 

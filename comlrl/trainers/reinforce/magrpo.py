@@ -19,7 +19,6 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 
 from ...engine import distributed as dist
-from ...engine.collect import train_seeds
 from ...engine.metrics import record_turns
 from ...engine.state import PlayedBuffer
 from ...engine.step import (ADVANTAGE_WEIGHTS, OLD_LOG_PROBS, AgentRows, StepLoss, concat_rollouts, policy_backward,
@@ -100,14 +99,11 @@ class MAGRPOTrainer(Trainer):
         return k ** n if self.args.joint_mode == "cross" and n > 1 else k
 
     # --- one buffer ----------------------------------------------------------------------------
-    def _collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
+    def collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
         """Rollout, score and returns for this process's prompts of the buffer."""
         if not mine:  # this process has no prompt in the buffer
             return PlayedBuffer([], {}, {"returns": []})
-        table = self._table("train")
-        turns = self._collector(table).play(self._batch(table, mine), num_generations=self.args.num_generations,
-                                            num_turns=self.args.num_turns, seed_of=train_seeds(self.args.seed, epoch),
-                                            threshold=self.args.early_termination_threshold, timer=timer)
+        turns = self.play_episodes(mine, epoch, timer)
         with timer("advantage"):
             joint = discounted_returns([t.rewards for t in turns], [t.children for t in turns],
                                        self._joint_per_node(), self.args.discount, self.args.num_turns)
@@ -121,7 +117,7 @@ class MAGRPOTrainer(Trainer):
             return [joint] * len(self.agents)
         return list(cross_returns(joint.reshape(num_nodes, -1), self.args.num_generations, self.num_agents))
 
-    def _rows(self, buffer: PlayedBuffer, agent: int, groups: range) -> Optional[AgentRows]:
+    def agent_rows(self, buffer: PlayedBuffer, agent: int, groups: range) -> Optional[AgentRows]:
         """Agent ``agent``'s completions of every turn for the prompts ``groups`` of the batch (None
         if this process has none)."""
         k = self.args.num_generations
@@ -141,29 +137,29 @@ class MAGRPOTrainer(Trainer):
         pad = self.tokenizers[agent].pad_token_id
         return AgentRows(concat_rollouts(parts, pad), torch.cat(returns), torch.cat(ids))
 
-    def _advantages(self, returns: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    def advantages(self, returns: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
         return group_advantages(returns, groups, self.args.advantage_mode, self.args.advantage_normalization)
 
-    def _update_passes(self) -> int:
+    def update_passes(self) -> int:
         return self.args.num_update_epochs
 
-    def _optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
+    def optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
         """One optimizer step per agent on the prompts ``groups`` (this process's share)."""
-        losses = [self._agent_backward(buffer, a, groups) for a in range(len(self.agents))]
-        totals = dist.all_reduce_sum([v for s in losses for v in self._loss_totals(s)], self.dist)
-        metrics, norms = self._step_all(self.agents, self.optimizers, self.schedulers)
+        losses = [self.agent_backward(buffer, a, groups) for a in range(len(self.agents))]
+        totals = dist.all_reduce_sum([v for s in losses for v in self.loss_totals(s)], self.dist)
+        metrics, norms = self.step_modules(self.agents, self.optimizers, self.schedulers)
         if norms is None:
             return metrics
         for a in range(len(self.agents)):
-            metrics.update(self._agent_metrics(a, totals[5 * a:5 * a + 5], norms[a]))
+            metrics.update(self.agent_metrics(a, totals[5 * a:5 * a + 5], norms[a]))
         return metrics
 
-    def _agent_backward(self, buffer: PlayedBuffer, agent: int, groups: range,
+    def agent_backward(self, buffer: PlayedBuffer, agent: int, groups: range,
                         weights: Optional[torch.Tensor] = None) -> Optional[StepLoss]:
         """Back-propagate agent ``agent``'s loss on the prompts ``groups``; ``weights`` (``[R]``,
         one per row) multiply its advantages. None when this process has no rows."""
         args = self.args
-        rows = self._rows(buffer, agent, groups)
+        rows = self.agent_rows(buffer, agent, groups)
         denominator = step_denominator(rows, args.loss_type, args.max_new_tokens, self.dist)
         if rows is None:
             return None
@@ -176,10 +172,10 @@ class MAGRPOTrainer(Trainer):
         if weights is not None:
             rows.extras[ADVANTAGE_WEIGHTS] = weights
         out = policy_backward(
-            self.agents[agent], rows, self._advantages, temperature=args.temperature, loss_type=args.loss_type,
+            self.agents[agent], rows, self.advantages, temperature=args.temperature, loss_type=args.loss_type,
             max_new_tokens=args.max_new_tokens, denominator=denominator, micro_groups=args.micro_batch_size,
-            reference=self._reference_fn(agent) if args.reference_kl_enabled else None,
-            kl_coef=args.reference_kl_coef, autocast=self._autocast, clip_eps=args.ppo_clip_eps,
+            reference=self.reference_log_probs(agent) if args.reference_kl_enabled else None,
+            kl_coef=args.reference_kl_coef, autocast=self.autocast, clip_eps=args.ppo_clip_eps,
             ratio_loss=args.ratio_loss, keep_log_probs=args.ratio_loss and key not in buffer.data["old_log_probs"])
         if out.log_probs is not None:  # this step's first update: its forward was the sampling policy's
             buffer.data["old_log_probs"][key] = out.log_probs
@@ -196,18 +192,18 @@ class MAGRPOTrainer(Trainer):
             return
         read.add(agent)
         for step in buffer.steps:
-            rows = self._rows(buffer, agent, step) if step != groups else None
+            rows = self.agent_rows(buffer, agent, step) if step != groups else None
             if rows is not None:
                 kept[(agent, step.start)] = rows_log_probs(self.agents[agent], rows, temperature=self.args.temperature,
                                                            micro_groups=self.args.micro_batch_size,
-                                                           autocast=self._autocast)
+                                                           autocast=self.autocast)
 
     @staticmethod
-    def _loss_totals(out: Optional[StepLoss]) -> tuple[float, ...]:
-        """What an agent's step reports, summed over processes (:meth:`_agent_metrics` reads it)."""
+    def loss_totals(out: Optional[StepLoss]) -> tuple[float, ...]:
+        """What an agent's step reports, summed over processes (:meth:`agent_metrics` reads it)."""
         return (out.loss, out.kl_sum, out.rows, out.clipped, out.tokens) if out else (0.0,) * 5
 
-    def _agent_metrics(self, agent: int, totals: Sequence[float], norm: float) -> dict[str, float]:
+    def agent_metrics(self, agent: int, totals: Sequence[float], norm: float) -> dict[str, float]:
         loss, kl_sum, rows, clipped, tokens = totals
         metrics = {f"agent_{agent}/loss": loss, f"agent_{agent}/grad_norm": norm}
         if self.args.reference_kl_enabled and rows:
@@ -216,7 +212,7 @@ class MAGRPOTrainer(Trainer):
             metrics[f"agent_{agent}/clip_fraction"] = clipped / tokens  # TRL's clip_ratio
         return metrics
 
-    def _fingerprint_extra(self) -> dict[str, Any]:
+    def fingerprint_extra(self) -> dict[str, Any]:
         from ...adapters import AdapterAgent, base_fingerprint
 
         extra: dict[str, Any] = {}

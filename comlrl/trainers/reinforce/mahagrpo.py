@@ -80,18 +80,18 @@ class MAHAGRPOTrainer(MAGRPOTrainer):
         rng = np.random.default_rng([self.args.seed, self.state.global_step, 0x4A50])
         return [int(a) for a in rng.permutation(len(self.agents))]
 
-    def _optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
+    def optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
         metrics: dict[str, float] = {}
         weights = None  # [R] M of each row (joint action), None before the first agent
         eps = self.args.ppo_clip_eps
         for position, agent in enumerate(self.update_order()):
-            out = self._agent_backward(buffer, agent, groups, weights)
-            totals = dist.all_reduce_sum(list(self._loss_totals(out)), self.dist)
-            step_metrics, norms = self._step_all([self.agents[agent]], [self.optimizers[agent]],
+            out = self.agent_backward(buffer, agent, groups, weights)
+            totals = dist.all_reduce_sum(list(self.loss_totals(out)), self.dist)
+            step_metrics, norms = self.step_modules([self.agents[agent]], [self.optimizers[agent]],
                                                  [self.schedulers[agent]], count=False)
             metrics.update(step_metrics)
             if norms is not None:
-                metrics.update(self._agent_metrics(agent, totals, norms[0]))
+                metrics.update(self.agent_metrics(agent, totals, norms[0]))
             metrics[f"agent_{agent}/update_position"] = float(position)
             if weights is not None:
                 metrics[f"agent_{agent}/advantage_weight_mean"] = float(weights.mean())
@@ -107,9 +107,9 @@ class MAHAGRPOTrainer(MAGRPOTrainer):
     def _clipped_ratio(self, buffer: PlayedBuffer, agent: int, groups: range, eps: float) -> torch.Tensor:
         """``[R]`` clip(pi_new / pi_old, 1 - eps, 1 + eps) of the agent's completions of the rows,
         after its update (float64, no gradient)."""
-        rows = self._rows(buffer, agent, groups)
+        rows = self.agent_rows(buffer, agent, groups)
         new = rows_log_probs(self.agents[agent], rows, temperature=self.args.temperature,
-                             micro_groups=self.args.micro_batch_size, autocast=self._autocast)
+                             micro_groups=self.args.micro_batch_size, autocast=self.autocast)
         old = buffer.data["old_log_probs"][(agent, groups.start)]
         mask = rows.rollout.completion_mask.to(new.device)
         return sequence_ratio(new, old.to(new.device), mask).clamp(1.0 - eps, 1.0 + eps).cpu()
