@@ -96,7 +96,11 @@ else:
     else:
         trainer = IACTrainer(**models, **critic, **common,
                              args=IACConfig(use_separate_critic=opts.family != "iac-shared", **ac))
+from helpers import record_gradients  # noqa: E402
+
+recorded = record_gradients(trainer)  # what each optimizer step applies (summed over processes)
 trainer.train(resume_from_checkpoint=opts.resume, checkpoint_dir=opts.run_dir / "ckpt")
+first_step = trainer.state.global_step - len(recorded) + 1
 trainer.save_model(opts.run_dir / "saved")
 slots = trainer.trained_slots()
 tensors = {f"{s}.{n}": p.detach().cpu().contiguous() for s, m in slots.modules.items() for n, p in m.named_parameters()}
@@ -106,6 +110,8 @@ for s, opt in slots.optimizers.items():
             tensors[f"{s}.opt.{idx}.{k}"] = v.detach().reshape(-1).cpu().contiguous()
 rank = trainer.dist.rank
 save_file(tensors, str(opts.run_dir / f"final-rank{rank}.safetensors"))
+save_file({f"{first_step + i}/{k}": v.contiguous() for i, step in enumerate(recorded) for k, v in step.items()},
+          str(opts.run_dir / f"grads-rank{rank}.safetensors"))
 record = {"world_size": trainer.dist.world_size, "env_step": trainer.state.env_step}
 if opts.lora:
     from comlrl.adapters import base_fingerprint

@@ -3,7 +3,7 @@
 from comlrl.testing import SEED_PROMPTS, length_ratio_reward
 
 __all__ = ["SEED_PROMPTS", "TEST_SETTINGS", "length_ratio_reward", "state_of", "assert_bit_exact", "rows", "play",
-           "record_gradients", "assert_same_gradients", "GRADIENT_RTOL"]
+           "record_gradients", "assert_same_gradients", "GRADIENT_RTOL", "adamw_divergence_bound"]
 
 # What most tests train with, set explicitly rather than relying on the (CoMLRL 1.4.3) defaults:
 # one turn, one prompt per optimizer step, plain sampling, the GRPO token-mean loss.
@@ -77,6 +77,19 @@ def assert_same_gradients(a, b, rtol=GRADIENT_RTOL):
     for key in a:
         diff = float((a[key].double() - b[key].double()).norm())
         assert diff <= rtol * float(norm), f"{key}: |difference| {diff:.3g} > {rtol} x |gradient| {float(norm):.3g}"
+
+
+def adamw_divergence_bound(steps, lr, betas=(0.9, 0.999)):
+    """How far apart one weight can drift in two runs of ``steps`` AdamW steps whose gradients
+    differ only by rounding: at step t Adam moves a weight by at most lr * B_t, with
+    B_t = (1 - b1) / (1 - b1**t) * sqrt(sum_k<t (b1**2 / b2)**k) * sqrt((1 - b2**t) / (1 - b2))
+    (Cauchy-Schwarz on the bias-corrected moments; B_1 = 1, about 1.05 at t = 11), and a gradient
+    near zero may point either way in the two runs. Returns sum_t 2 * lr * B_t."""
+    import math
+
+    b1, b2 = betas
+    return sum(2 * lr * (1 - b1) / (1 - b1 ** t) * math.sqrt(sum((b1 * b1 / b2) ** k for k in range(t)))
+               * math.sqrt((1 - b2 ** t) / (1 - b2)) for t in range(1, steps + 1))
 
 
 def rows(directory):

@@ -55,10 +55,22 @@ def _sampled(key: str) -> bool:
 
 
 def assert_close_runs(a: Path, b: Path, exact=_sampled, atol: float = 1e-5) -> None:
+    """The same run on different process counts: the first optimizer step's summed gradients agree
+    within helpers.GRADIENT_RTOL (summation order is all that differs), the final weights within how
+    far AdamW can carry rounding in that many steps (helpers.adamw_divergence_bound: a near-zero
+    gradient may point either way), the logged rows as below."""
+    from helpers import adamw_divergence_bound, assert_same_gradients
+
+    ga, gb = (load_file(str(run / "grads-rank0.safetensors")) for run in (a, b))
+    step = min({k.split("/")[0] for k in ga} & {k.split("/")[0] for k in gb}, key=int)  # the first step both took
+    assert_same_gradients(*({k: v for k, v in g.items() if k.startswith(f"{step}/")} for g in (ga, gb)))
     wa, wb = final(a), final(b)
     assert wa.keys() == wb.keys()
+    steps = rows(a)[-1]["global_step"]
+    bound = adamw_divergence_bound(steps, lr=1e-3)  # every module of dist_worker.py trains at 1e-3
     for key in wa:
-        torch.testing.assert_close(wa[key], wb[key], rtol=1e-4, atol=atol, msg=key)
+        if ".opt." not in key:
+            torch.testing.assert_close(wa[key], wb[key], rtol=0, atol=bound, msg=key)
     ra, rb = rows(a), rows(b)
     assert len(ra) == len(rb)
     for x, y in zip(ra, rb):

@@ -198,17 +198,22 @@ def e_density(completions1, completions2):
 
 def test_marlhf_reward_model_generalises_and_its_online_phase_improves_the_task(model_path, tokenizer, tmp_path):
     """MARLHF (MAGRPO online phase) on the e-density task: the reward model ranks pairs of prompts
-    it never saw better than chance, and training with it raises the TASK reward. Measured, seeds
-    0/1/2 (held-out accuracy on 128 pairs of trainer.preference_pairs; task reward before -> after):
-    0.578, 0.385 -> 0.569; 0.719, 0.390 -> 0.605; 0.656, 0.364 -> 0.508 (1 thread)."""
+    it never saw better than chance, and training with it raises the TASK reward. 16 training rows
+    (the 8 prompts twice: 256 training pairs), 5 epochs of the online phase, 512 held-out pairs of 8
+    other prompts. Measured over seeds 0-5 on the default / avx2 / avx512 kernels (18 runs): held-out
+    accuracy 0.54-0.82 (mean 0.67), task reward gain 0.08-0.43 (mean 0.27); 3-seed means of seeds 0-2:
+    accuracy 0.70 / 0.70 / 0.73, gain 0.18 / 0.31 / 0.26. Single seeds vary a lot (a random 64-wide
+    backbone), so the test asserts on the means over seeds 0-2: accuracy >= 0.58 (chance is 0.5) and
+    gain >= 0.1 (a phase that does not learn gives 0), about 3 standard deviations of a 3-seed mean
+    below the measured means."""
     from comlrl.trainers.preference import MARLHFConfig, MARLHFTrainer
 
     results = []
     for seed in SEEDS:
         trainer = MARLHFTrainer(
             agent_model=str(model_path), tokenizer=tokenizer, reward_func=e_density,
-            train_dataset=[{"prompt": p} for p in E_PROMPTS], eval_dataset=[{"prompt": p} for p in E_PROMPTS] * 4,
-            args=MARLHFConfig(rl_algorithm="magrpo", num_train_epochs=10, preference_num_candidates=16,
+            train_dataset=[{"prompt": p} for p in E_PROMPTS] * 2, eval_dataset=[{"prompt": p} for p in E_PROMPTS] * 4,
+            args=MARLHFConfig(rl_algorithm="magrpo", num_train_epochs=5, preference_num_candidates=16,
                               preference_pairs_per_sample=16, max_new_tokens=32, agent_learning_rate=1e-3,
                               temperature=1.0, top_p=1.0, train_batch_size=2, rollout_buffer_size=2, eval_interval=0,
                               logging_steps=1, reward_model_device="cpu", num_generations=4,
@@ -218,12 +223,11 @@ def test_marlhf_reward_model_generalises_and_its_online_phase_improves_the_task(
         before = _eval_reward(trainer)
         trainer.train()
         after = _eval_reward(trainer)
-        held_out = trainer.preference_pairs([{"prompt": p} for p in HELD_OUT])
+        held_out = trainer.preference_pairs([{"prompt": p} for p in HELD_OUT] * 4)
         results.append((trainer.reward_model_accuracy(held_out), before, after))
     print("\nMARLHF, per seed (held-out accuracy, task reward before, after):", results)
-    assert statistics.median(acc for acc, _, _ in results) >= 0.57 and min(acc for acc, _, _ in results) > 0.5
-    assert statistics.median(after - before for _, before, after in results) >= 0.08
-    assert min(after - before for _, before, after in results) >= 0.03
+    assert statistics.mean(acc for acc, _, _ in results) >= 0.58
+    assert statistics.mean(after - before for _, before, after in results) >= 0.1
 
 
 @pytest.mark.parametrize("kind", ["clipped", "mahagrpo"])

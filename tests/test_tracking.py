@@ -342,3 +342,19 @@ def test_mlflow_server_run_killed_and_resumed_has_each_step_once(mlflow_server, 
     for (step, value), (_, ref) in zip(got["train/reward_mean"], expected["train/reward_mean"]):
         note = "   <- logged before the kill; redone after it, not sent again" if 16 < step <= killed_at else ""
         print(f"  {step:>4}  {value:.6f} | {ref:.6f}{note}")
+
+
+def test_a_resumed_tensorboard_file_sorts_after_the_interrupted_ones(tmp_path):
+    """TensorBoard applies a purge marker to the files before it in name order; names hold the
+    creation second then a per-process counter compared as text ("...10" < "...9"), so a resume in
+    the same second could write a file that sorts first (seen in the full suite). The resumed writer
+    waits for the next second."""
+    import socket
+    import time
+
+    from comlrl.tracking.tensorboard import _after_existing_files
+
+    now = int(time.time())
+    (tmp_path / f"events.out.tfevents.{now:010d}.{socket.gethostname()}.1.9").write_bytes(b"")
+    _after_existing_files(tmp_path)
+    assert int(time.time()) > now

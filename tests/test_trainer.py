@@ -163,9 +163,9 @@ def test_agent_order_permuted_permutes_the_results(model_path, tokenizer, tmp_pa
 
     An agent's sampling seeds follow its position (two copies of one model must not sample alike),
     so the swapped run is given the swapped seeds; everything else must not depend on the order."""
-    import comlrl.trainers.reinforce.magrpo as magrpo
+    import comlrl.engine.trainer as engine
 
-    seeds = magrpo.train_seeds
+    seeds = engine.train_seeds
 
     def reward(first, second):
         return [math.exp(-abs(len(b) / max(len(a), 1) - 2)) for a, b in zip(first, second)]
@@ -175,7 +175,7 @@ def test_agent_order_permuted_permutes_the_results(model_path, tokenizer, tmp_pa
 
     runs = []
     for order, func in (((0, 1), reward), ((1, 0), swapped)):
-        monkeypatch.setattr(magrpo, "train_seeds", lambda seed, epoch, order=order: (
+        monkeypatch.setattr(engine, "train_seeds", lambda seed, epoch, order=order: (
             lambda agent, node, g: seeds(seed, epoch)(order[agent], node, g)))
         models = [AutoModelForCausalLM.from_pretrained(model_path) for _ in range(2)]
         with torch.no_grad():  # two different agents

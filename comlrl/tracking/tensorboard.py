@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import struct
+import time
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -42,6 +43,18 @@ def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()[SCALARS]}
 
 
+def _after_existing_files(log_dir: Path) -> None:
+    """Wait, at most a second, until a new event file sorts after every existing one.
+
+    Readers apply a purge marker only to the files before it, in name order; names start with the
+    creation second and end with a per-process counter compared as text ("10" < "9"), so a file
+    created in the same second as the interrupted run's could sort first and its purge be lost."""
+    stamps = [int(p.name.split(".")[3]) for p in log_dir.glob("events.out.tfevents.*")
+              if len(p.name.split(".")) > 3 and p.name.split(".")[3].isdigit()]
+    while stamps and int(time.time()) <= max(stamps):
+        time.sleep(0.05)
+
+
 class TensorBoardTracker:
     """Scalars of every row at ``step`` (``env_step``), one tag per metric key.
 
@@ -67,6 +80,8 @@ class TensorBoardTracker:
         self.filter = StepFilter(present, "TensorBoard", same=lambda stored, new: stored == _as_float32(new)
                                  or (math.isnan(stored) and math.isnan(new)))
         own_dir(self.log_dir, "the TensorBoard folder", CheckpointDirError)
+        if resume_step is not None:
+            _after_existing_files(self.log_dir)
         self.writer = SummaryWriter(log_dir=str(self.log_dir),
                                     purge_step=None if resume_step is None else resume_step + 1)
 
