@@ -38,6 +38,9 @@ parser.add_argument("--eval", action="store_true")
 parser.add_argument("--lora", action="store_true", help="LoRA agents on one shared base")
 parser.add_argument("--family", default="magrpo", choices=["magrpo", "iac", "iac-shared", "maac", "madpo", "marlhf"])
 parser.add_argument("--devices", default="cpu", help="agent_devices; 'auto': under torchrun on GPUs, cuda:LOCAL_RANK")
+parser.add_argument("--sharding", default="none", choices=["none", "fsdp2"])
+parser.add_argument("--ppo", action="store_true", help="clipped-ratio update, 2 passes over 2-step buffers")
+parser.add_argument("--kl", type=float, default=None, help="reference KL coefficient (MAGRPO)")
 opts = parser.parse_args()
 
 prompts = SEED_PROMPTS + (["Name a color:"] if opts.extra_prompt else [])
@@ -61,7 +64,11 @@ settings = {**TEST_SETTINGS, "num_train_epochs": opts.epochs, "max_new_tokens": 
             "rollout_buffer_size": opts.train_batch_size,
             "micro_batch_size": opts.train_batch_size // opts.micro_batches if opts.micro_batches > 1 else None,
             "num_turns": opts.num_turns, "early_termination_threshold": 0.5 if multi_turn else None,
-            "loss_type": opts.loss_type, "eval_interval": 1 if opts.eval else 0}
+            "loss_type": opts.loss_type, "eval_interval": 1 if opts.eval else 0, "sharding": opts.sharding}
+if opts.ppo:
+    settings.update(ppo_clip_eps=0.2, num_update_epochs=2, rollout_buffer_size=2 * opts.train_batch_size)
+if opts.kl is not None:
+    settings.update(reference_kl_enabled=True, reference_kl_coef=opts.kl)
 common = dict(tokenizer=AutoTokenizer.from_pretrained(path), reward_func=length_ratio_reward,
               train_dataset=[{"prompt": p} for p in prompts],
               eval_dataset=[{"prompt": p} for p in prompts] if opts.eval else None,
@@ -103,16 +110,35 @@ trainer.train(resume_from_checkpoint=opts.resume, checkpoint_dir=opts.run_dir / 
 first_step = trainer.state.global_step - len(recorded) + 1
 trainer.save_model(opts.run_dir / "saved")
 slots = trainer.trained_slots()
-tensors = {f"{s}.{n}": p.detach().cpu().contiguous() for s, m in slots.modules.items() for n, p in m.named_parameters()}
-for s, opt in slots.optimizers.items():
-    for idx, st in opt.state_dict()["state"].items():
-        for k, v in st.items():
-            tensors[f"{s}.opt.{idx}.{k}"] = v.detach().reshape(-1).cpu().contiguous()
+if trainer.sharded:  # whole tensors from every process's shards
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    whole = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    tensors = {}
+    for s, m in slots.modules.items():
+        named = {n for n, _ in m.named_parameters()}
+        tensors.update({f"{s}.{n}": v.contiguous() for n, v in get_model_state_dict(m, options=whole).items()
+                        if n in named})
+        for fqn, st in get_optimizer_state_dict(m, slots.optimizers[s], options=whole).get("state", {}).items():
+            tensors.update({f"{s}.opt.{fqn}.{k}": v.reshape(-1).contiguous() for k, v in st.items()})
+else:
+    tensors = {f"{s}.{n}": p.detach().cpu().contiguous() for s, m in slots.modules.items()
+               for n, p in m.named_parameters()}
+    for s, opt in slots.optimizers.items():
+        for idx, st in opt.state_dict()["state"].items():
+            for k, v in st.items():
+                tensors[f"{s}.opt.{idx}.{k}"] = v.detach().reshape(-1).cpu().contiguous()
 rank = trainer.dist.rank
 save_file(tensors, str(opts.run_dir / f"final-rank{rank}.safetensors"))
 save_file({f"{first_step + i}/{k}": v.contiguous() for i, step in enumerate(recorded) for k, v in step.items()},
           str(opts.run_dir / f"grads-rank{rank}.safetensors"))
 record = {"world_size": trainer.dist.world_size, "env_step": trainer.state.env_step}
+if trainer.sharded:  # what this process holds of each agent and its AdamW moments
+    from comlrl.engine.sharding import local_fraction
+
+    record["params_fraction"] = [local_fraction(list(m.parameters())) for m in trainer.agents]
+    record["moments_fraction"] = [local_fraction([v for st in o.state.values() for k, v in st.items()
+                                                  if k.startswith("exp_avg")]) for o in trainer.optimizers]
 if opts.lora:
     from comlrl.adapters import base_fingerprint
 

@@ -36,6 +36,11 @@ def assert_bit_exact(a, b):
         assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
 
 
+def _whole(grad):
+    """A gradient as one tensor (a sharded one gathered: a collective every process runs)."""
+    return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().clone()
+
+
 def record_gradients(trainer):
     """Start recording, for every optimizer step of ``trainer``, the gradients each optimizer is
     about to apply (after clipping); returns the list that fills, one ``{slot.index: grad}`` per step."""
@@ -43,7 +48,7 @@ def record_gradients(trainer):
 
     def hook(slot):
         def record(optimizer, args, kwargs):
-            grads = {f"{slot}.{i}": p.grad.detach().clone() for i, p in
+            grads = {f"{slot}.{i}": _whole(p.grad) for i, p in
                      enumerate(p for group in optimizer.param_groups for p in group["params"]) if p.grad is not None}
             if not steps or slot in {k.split(".")[0] for k in steps[-1]}:
                 steps.append({})

@@ -48,8 +48,9 @@ from ..exceptions import CheckpointError
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATE_FILE", "MANIFEST_FILE", "RNG_FILE", "DATA_FILE",
            "OPTIMIZER_FILE", "SlotLayout", "PLAIN_LAYOUT", "Snapshot", "checkpoint_path", "checkpoint_number",
            "checkpoint_entries", "is_committed", "list_checkpoints", "foreign_checkpoints", "looks_like", "tree_hashes",
-           "read_manifest", "read_state", "verify", "snapshot", "write_checkpoint", "load_module", "read_optimizer",
-           "load_optimizer", "load_tensors", "remove_checkpoints"]
+           "read_manifest", "read_state", "verify", "snapshot", "write_checkpoint", "temporary_checkpoint_dir", "load_module",
+           "read_optimizer", "load_optimizer", "load_tensors", "remove_checkpoints", "storage_key",
+           "join_optimizer_state", "steps_as_scalars"]
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (2, 3)  # 2: one model.safetensors per slot, no side files
@@ -293,14 +294,25 @@ def _split_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], 
     return meta, tensors
 
 
-def _join_optimizer_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def join_optimizer_state(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     state: dict[int, dict[str, Any]] = {}
     for name, tensor in tensors.items():
         index, key = name.split(".", 1)
         state.setdefault(int(index), {})[key] = tensor
     for index, values in meta["scalars"].items():
         state.setdefault(int(index), {}).update(values)
+    for entry in state.values():  # a sharded save keeps the step counts in the JSON: torch's optimizers want tensors
+        if isinstance(entry.get("step"), (int, float)) and not isinstance(entry["step"], bool):
+            entry["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32)
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def steps_as_scalars(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Move each parameter's scalar ``step`` from ``tensors`` into ``meta["scalars"]`` (a sharded
+    module's moments are written by every process, its step counts, the same on all, here)."""
+    for name in [n for n in tensors if n.endswith(".step")]:
+        index = name.split(".", 1)[0]
+        meta["scalars"].setdefault(index, {})["step"] = float(tensors.pop(name).item())
 
 
 # --- save ------------------------------------------------------------------------------------------
@@ -402,7 +414,7 @@ def _part_tensors(module: torch.nn.Module, layout: SlotLayout
 def snapshot(number: int, record: dict[str, Any], modules: Mapping[str, torch.nn.Module],
              optimizers: Mapping[str, torch.optim.Optimizer], rng_tensors: Mapping[str, torch.Tensor],
              reuse: Optional[Snapshot] = None, data: Optional[Mapping[str, torch.Tensor]] = None,
-             layouts: Optional[Mapping[str, SlotLayout]] = None) -> Snapshot:
+             layouts: Optional[Mapping[str, SlotLayout]] = None, prewritten: frozenset[str] = frozenset()) -> Snapshot:
     """Copy what checkpoint ``number`` will hold.
 
     Args:
@@ -414,6 +426,8 @@ def snapshot(number: int, record: dict[str, Any], modules: Mapping[str, torch.nn
         reuse: an earlier snapshot whose files are written (or abandoned); its tensors are
             overwritten and become this snapshot's, instead of allocating new ones.
         data: a trainer family's own tensors, for :data:`DATA_FILE` (None: no such file).
+        prewritten: slots whose weight and optimizer files are already written (sharded modules,
+            :mod:`comlrl.checkpoint.sharded`): only their side files and optimizer hyper-state here.
     """
     record = json.loads(json.dumps(record, allow_nan=False))  # a frozen copy: the live state keeps changing
     old = reuse.files if reuse is not None else {}
@@ -424,7 +438,7 @@ def snapshot(number: int, record: dict[str, Any], modules: Mapping[str, torch.nn
         if not SLOT_NAME.match(slot):
             raise ValueError(f"bad checkpoint slot name {slot!r}")
         layout = (layouts or {}).get(slot, PLAIN_LAYOUT)
-        for file, (weights, metadata) in _part_tensors(module, layout).items():
+        for file, (weights, metadata) in ({} if slot in prewritten else _part_tensors(module, layout)).items():
             name = f"{slot}/{file}"
             files[name] = (_copies(weights, old.get(name, ({}, None))[0]), metadata)
         sidecars.update({f"{slot}/{name}": content for name, content in layout.sidecars.items()})
@@ -434,7 +448,10 @@ def snapshot(number: int, record: dict[str, Any], modules: Mapping[str, torch.nn
     for slot, optimizer in optimizers.items():
         meta, tensors = _split_optimizer_state(optimizer.state_dict())
         name = f"{slot}/{OPTIMIZER_FILE}"
-        files[name] = (_copies(tensors, old.get(name, ({}, None))[0]), None)
+        if slot in prewritten:
+            steps_as_scalars(meta, tensors)
+        else:
+            files[name] = (_copies(tensors, old.get(name, ({}, None))[0]), None)
         record["optimizers"][slot] = json.loads(json.dumps(meta))
     return Snapshot(number, record, files, sidecars)
 
@@ -446,19 +463,29 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: Optio
     save_file(tensors, str(path), metadata=metadata)
 
 
-def write_checkpoint(directory: str | os.PathLike, snap: Snapshot, name: Optional[str] = None) -> Path:
+def temporary_checkpoint_dir(directory: str | os.PathLike, number: int) -> Path:
+    """A new hidden directory beside ``checkpoint-number`` for a checkpoint being written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".tmp-checkpoint-{number}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def write_checkpoint(directory: str | os.PathLike, snap: Snapshot, name: Optional[str] = None,
+                     prewritten: Optional[Path] = None) -> Path:
     """Write ``snap`` as ``directory/checkpoint-N`` (or ``directory/name``) atomically and return
     its path.
 
     Files go into a hidden temporary directory and are hashed there; then the state, then the
     manifest; all is fsynced and renamed into place. On any failure the temporary directory is
-    removed and an existing ``checkpoint-N`` is left as it was.
+    removed and an existing ``checkpoint-N`` is left as it was. ``prewritten``: that temporary
+    directory (from :func:`temporary_checkpoint_dir`), already holding files written by every
+    process (sharded modules); they are hashed and listed with the rest.
     """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     final = directory / name if name is not None else checkpoint_path(directory, snap.number)
-    tmp = directory / f".tmp-checkpoint-{snap.number}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = prewritten if prewritten is not None else temporary_checkpoint_dir(directory, snap.number)
     try:
         files = {}
         for rel, (tensors, metadata) in snap.files.items():
@@ -471,6 +498,9 @@ def write_checkpoint(directory: str | os.PathLike, snap: Snapshot, name: Optiona
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(content)
             files[rel] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+        for target in sorted(p for p in tmp.rglob("*") if p.is_file()):  # written by every process
+            rel = target.relative_to(tmp).as_posix()
+            files.setdefault(rel, {"bytes": target.stat().st_size, "sha256": _sha256(target)})
         state_bytes = json.dumps(snap.record, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
         (tmp / STATE_FILE).write_bytes(state_bytes)
         files[STATE_FILE] = {"bytes": len(state_bytes), "sha256": hashlib.sha256(state_bytes).hexdigest()}
@@ -516,12 +546,29 @@ def load_module(path: Path, slot: str, module: torch.nn.Module, layout: SlotLayo
                     tensors[alias] = tensors[kept]
             state.update({prefix + key: value for key, value in tensors.items()})
         missing, unexpected = module.load_state_dict(state, strict=False)
+        missing = _untied(module, missing, state)
         if missing or unexpected:
             raise CheckpointError(f"checkpoint {path}: {slot} weights do not fit the model (missing "
                                   f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}).")
         bad = next((n for n, p in module.named_parameters() if not bool(torch.isfinite(p).all())), None)
         if bad is not None:  # never written by comlrl (a save refuses non-finite weights): edited
             raise CheckpointError(f"checkpoint {path}: {slot} weight {bad} holds non-finite values (edited?).")
+
+
+def _untied(module: torch.nn.Module, missing: list[str], loaded: Mapping[str, torch.Tensor]) -> list[str]:
+    """``missing`` without the tied aliases of loaded tensors (a file written without alias
+    metadata, e.g. by a sharded save or ``save_pretrained``, lists a tied tensor once)."""
+    if not missing:
+        return missing
+    holder = {name: storage_key(tensor) for name, tensor in module.state_dict().items()}
+    loaded_keys = {holder[name] for name in loaded if name in holder}
+    return [name for name in missing if holder.get(name) not in loaded_keys]
+
+
+def storage_key(tensor: torch.Tensor) -> tuple:
+    """Where a tensor's values live (a shard's, for a DTensor): equal for tied tensors."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)
 
 
 def _aliases(file: Path) -> dict[str, str]:
@@ -542,7 +589,7 @@ def read_optimizer(path: Path, slot: str, meta: Any) -> dict[str, Any]:
                 not all(isinstance(v, dict) for v in meta["scalars"].values()):
             raise CheckpointError(f"checkpoint {path}: optimizers[{slot!r}] is malformed.")
         tensors = load_file(str(path / slot / OPTIMIZER_FILE))
-        return _join_optimizer_state(meta, tensors)
+        return join_optimizer_state(meta, tensors)
 
 
 def load_optimizer(path: Path, slot: str, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

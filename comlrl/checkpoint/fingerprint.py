@@ -24,6 +24,16 @@ def digest(value: Any) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+def model_class(model: torch.nn.Module) -> type:
+    """The model's own class: FSDP2 swaps a sharded model's class for a subclass (``FSDPQwen2...``)
+    that a resume on another sharding must not see as another architecture."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return type(model)
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+
+
 def model_fingerprint(model: torch.nn.Module) -> dict[str, str]:
     """Architecture class, config and parameter names/shapes/dtypes (not the values, which train)."""
     config = getattr(model, "config", None)
@@ -31,7 +41,7 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, str]:
     config_dict = {k: v for k, v in config_dict.items() if k not in _VOLATILE_CONFIG_KEYS}
     params = [(n, list(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
     return {
-        "class": type(model).__name__,
+        "class": model_class(model).__name__,
         "config": digest(config_dict),
         "parameters": digest(params),
         "trainable": digest([n for n, p in model.named_parameters() if p.requires_grad]),

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 
 from ..exceptions import CheckpointDirError, CheckpointError, ResumeMismatchError
-from . import files
+from . import files, sharded
 from .fingerprint import compare_fingerprints
 from .hyper import check_optimizer_state, check_scheduler_state
 from .lock import DirectoryLock
@@ -124,12 +124,17 @@ def _state_of(path: Path) -> Optional[dict[str, Any]]:
 
 def _checked_optimizer_states(path: Path, state: dict[str, Any], slots: Slots) -> dict[str, dict[str, Any]]:
     """Every slot's optimizer state, read and checked with its scheduler's against the live ones
-    (:mod:`comlrl.checkpoint.hyper`); nothing is loaded yet."""
+    (:mod:`comlrl.checkpoint.hyper`); nothing is loaded yet. A sharded module's optimizer reads only
+    this process's part of each moment (a collective)."""
     for slot, scheduler in slots.schedulers.items():
         check_scheduler_state(path, slot, scheduler, state["schedulers"][slot])
     out = {}
     for slot, optimizer in slots.optimizers.items():
-        out[slot] = files.read_optimizer(path, slot, state["optimizers"][slot])
+        module = slots.modules.get(slot)
+        if module is not None and sharded.is_sharded_module(module):
+            out[slot] = sharded.load_sharded_optimizer(path, slot, optimizer, state["optimizers"][slot])
+        else:
+            out[slot] = files.read_optimizer(path, slot, state["optimizers"][slot])
         check_optimizer_state(path, slot, optimizer, out[slot], state["schedulers"].get(slot)
                               if slot in slots.schedulers else None)
     return out
@@ -257,7 +262,8 @@ class CheckpointManager:
         return path
 
     def _snapshot(self, number: int, record: dict[str, Any], slots: Slots,
-                  rng_states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> files.Snapshot:
+                  rng_states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]],
+                  prewritten: frozenset[str] = frozenset()) -> files.Snapshot:
         record = dict(record, world_size=len(rng_states), rng=rng_states[0][0],
                       rng_other_ranks=[json_part for json_part, _ in rng_states[1:]],
                       schedulers={slot: s.state_dict() for slot, s in slots.schedulers.items()})
@@ -265,8 +271,37 @@ class CheckpointManager:
         for rank, (_, tensors) in enumerate(rng_states[1:], start=1):
             rng_tensors.update({f"rank{rank}/{k}": v for k, v in tensors.items()})
         return files.snapshot(number, record, slots.modules, slots.optimizers, rng_tensors,
-                              reuse=self._last if self._pending is None else None, data=slots.data,
-                              layouts=slots.layouts)
+                              reuse=self._last if self._pending is None and not prewritten else None, data=slots.data,
+                              layouts=slots.layouts, prewritten=prewritten)
+
+    def save_sharded(self, number: int, record: dict[str, Any], slots: Slots,
+                     rng_states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]], limit: Optional[int],
+                     run_id: str, begin: Callable[[Callable[[], Path]], Path],
+                     finish: Callable[[Callable[[], Path]], Path]) -> Path:
+        """Save ``checkpoint-number`` of a run with sharded modules, synchronously: every process
+        writes its shards (:mod:`comlrl.checkpoint.sharded`) into a temporary directory rank 0
+        made, then rank 0 writes the rest and commits it as :meth:`save` does. ``begin`` /
+        ``finish`` run a function on rank 0 and hand its result (or error) to every process."""
+        tmp = begin(lambda: (self.wait(), files.temporary_checkpoint_dir(self.directory, number))[1])
+        try:
+            for slot, module in slots.modules.items():
+                if sharded.is_sharded_module(module):
+                    sharded.save_sharded_slot(tmp / slot, module, slots.optimizers.get(slot),
+                                              slots.layout(slot).files()[0], self.is_main)
+        except BaseException:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        prewritten = frozenset(s for s, m in slots.modules.items() if sharded.is_sharded_module(m))
+
+        def commit() -> Path:
+            snap = self._snapshot(number, record, slots, rng_states, prewritten)
+            path = files.write_checkpoint(self.directory, snap, prewritten=tmp)
+            if limit is not None:
+                self._prune(limit, run_id, keep=path)
+            logger.info("comlrl: saved %s (env_step %s)", path, snap.record["counters"]["env_step"])
+            return path
+        return finish(commit)
 
     def write_named(self, target: Path, number: int, record: dict[str, Any], slots: Slots,
                     rng_states: Sequence[tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> Path:
@@ -342,7 +377,10 @@ class CheckpointManager:
         if slots.data is not None:
             state["data"] = files.load_tensors(path, files.DATA_FILE)
         for slot, module in slots.modules.items():
-            files.load_module(path, slot, module, slots.layout(slot, version))
+            if sharded.is_sharded_module(module):
+                sharded.load_sharded_module(path, slot, module)
+            else:
+                files.load_module(path, slot, module, slots.layout(slot, version))
         for slot, optimizer in slots.optimizers.items():
             files.load_optimizer(path, slot, optimizer, optimizer_states[slot])
         for slot, scheduler in slots.schedulers.items():

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from ..exceptions import ComlrlError, ConfigError
 
 __all__ = ["DistContext", "init_distributed", "shard", "gather_objects", "main_process_first_result",
-           "all_reduce_gradients", "all_reduce_sum", "broadcast_parameters"]
+           "all_reduce_gradients", "all_reduce_sum", "all_reduce_max", "broadcast_parameters"]
 
 logger = logging.getLogger("comlrl")
 T = TypeVar("T")
@@ -62,12 +62,13 @@ def _env_int(name: str) -> int:
                           "(which sets RANK, LOCAL_RANK and WORLD_SIZE), or unset WORLD_SIZE.") from None
 
 
-def init_distributed(backend: str | None = None, use_cuda: bool | None = None) -> DistContext:
+def init_distributed(backend: str | None = None, use_cuda: bool | None = None, always: bool = False) -> DistContext:
     """Join the process group ``torchrun`` describes in the environment; single process otherwise.
 
     The backend is NCCL when the agents train on CUDA (``use_cuda``; default: CUDA is available),
     else gloo. An already initialised group (e.g. by the user's own script) is used as it is. With
-    CUDA, each process is pinned to ``cuda:LOCAL_RANK``.
+    CUDA, each process is pinned to ``cuda:LOCAL_RANK``. ``always``: join a group of one process
+    too, when torchrun started one (sharded agents need a process group).
     """
     cuda = torch.cuda.is_available() if use_cuda is None else (use_cuda and torch.cuda.is_available())
     if dist.is_available() and dist.is_initialized():
@@ -76,7 +77,7 @@ def init_distributed(backend: str | None = None, use_cuda: bool | None = None) -
             torch.cuda.set_device(local % torch.cuda.device_count())
         return DistContext(dist.get_rank(), dist.get_world_size(), local)
     world = int(os.environ.get("WORLD_SIZE", "1") or "1")
-    if world <= 1:
+    if world <= 1 and not (always and "WORLD_SIZE" in os.environ):
         return DistContext()
     if not dist.is_available():
         raise ConfigError("WORLD_SIZE > 1 but this torch build has no torch.distributed support.")
@@ -112,6 +113,15 @@ def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
         return list(values)
     tensor = torch.tensor(list(values), dtype=torch.float64, device=_collective_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor.cpu().tolist()
+
+
+def all_reduce_max(values: Sequence[float], ctx: DistContext) -> list[float]:
+    """Element-wise maximum of a few numbers over ranks."""
+    if not ctx.enabled:
+        return list(values)
+    tensor = torch.tensor(list(values), dtype=torch.float64, device=_collective_device())
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor.cpu().tolist()
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 from . import distributed as dist
 from .collect import eval_seeds
@@ -52,10 +52,17 @@ class Evaluation:
         return metrics
 
     def _eval_episodes(self, table: PromptTable, indices: list[int]):
-        from ..functional.returns import discounted_returns
-
         collector = self._collector(table)
         records, completions = [], []
+        with self._sampling():  # sharded agents gathered on every process, with eval prompts or without
+            self._play_eval(collector, table, indices, records, completions)
+        return records, completions
+
+    def _play_eval(self, collector: Any, table: PromptTable, indices: list[int], records: list, completions: list
+                   ) -> None:
+        """Every eval batch of this process: its episodes' records and completions, appended."""
+        from ..functional.returns import discounted_returns
+
         for start in range(0, len(indices), self.args.eval_batch_size):
             mine = dist.shard(indices[start:start + self.args.eval_batch_size], self.dist)
             if not mine:
@@ -66,7 +73,6 @@ class Evaluation:
                                          self.args.discount, self.args.num_turns)
             records.append(record_turns(turns, returns))
             completions.extend((idx, self._eval_completions(turns, g)) for g, idx in enumerate(mine))
-        return records, completions
 
     def _eval_completions(self, turns, group: int) -> list[list[str]]:
         """``[agent][turn]`` completions of eval item ``group`` (one sample per turn), as

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 
 from ..checkpoint.files import PLAIN_LAYOUT, SlotLayout
+from ..checkpoint.fingerprint import model_class
 
 __all__ = ["module_layout", "ADAPTER_FILE", "MODEL_FILE"]
 
@@ -74,7 +75,7 @@ def _model_config(model: torch.nn.Module) -> bytes:
     """``config.json`` as ``save_pretrained`` writes it: the architecture and the weights' dtype
     filled in (vLLM picks the model class from ``architectures``)."""
     config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
+    config.architectures = [model_class(model).__name__]
     first = next(iter(model.parameters()), None)
     if first is not None and first.is_floating_point():
         config.dtype = str(first.dtype).split(".")[-1]

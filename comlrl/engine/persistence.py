@@ -91,12 +91,17 @@ class Persistence:
         """:meth:`_slots` with each module's folder layout (:mod:`comlrl.engine.layouts`); side
         files are built once per module and kept with it."""
         slots = self.trained_slots()
-        cache = self.__dict__.setdefault("_layout_cache", {})
         for slot, module in slots.modules.items():
-            if (slot, id(module)) not in cache:  # the module is kept alive beside its layout: ids stay its own
-                cache[(slot, id(module))] = (module, module_layout(module, self._slot_tokenizer(slot)))
-            slots.layouts[slot] = cache[(slot, id(module))][1]
+            slots.layouts[slot] = self._layout(slot, module)
         return slots
+
+    def _layout(self, slot: str, module: torch.nn.Module) -> Any:
+        """``module``'s folder layout in slot ``slot`` (built once; the module is kept alive beside
+        it, so its id stays its own)."""
+        cache = self.__dict__.setdefault("_layout_cache", {})
+        if (slot, id(module)) not in cache:
+            cache[(slot, id(module))] = (module, module_layout(module, self._slot_tokenizer(slot)))
+        return cache[(slot, id(module))][1]
 
     def _slot_tokenizer(self, slot: str) -> Any:
         """The tokenizer saved in a slot's folder: agent i's for ``<kind>-i``, else the first agent's."""
@@ -116,6 +121,12 @@ class Persistence:
         self._check_finite_weights(number)
         self.state.checkpoint = number
         rng_states = dist.gather_objects(CheckpointManager.capture_rng(), self.dist)
+        if self.sharded:  # every process writes its shards, synchronously
+            def on_rank0(fn: Any) -> Any:
+                return dist.main_process_first_result(fn, self.dist)
+
+            return self.checkpoints.save_sharded(number, self._record(), self._saved_slots(), rng_states, limit,
+                                                 self.run_id, begin=on_rank0, finish=on_rank0)
         return dist.main_process_first_result(
             lambda: self.checkpoints.save(number, self._record(), self._saved_slots(), rng_states, limit, self.run_id),
             self.dist)
@@ -128,7 +139,9 @@ class Persistence:
 
     def _check_finite_weights(self, number: int) -> None:
         for slot, module in self.trained_slots().modules.items():
-            if not all(bool(torch.isfinite(p).all()) for p in module.parameters()):
+            local = [p.to_local() if hasattr(p, "to_local") else p for p in module.parameters()]  # shards: each its own
+            bad = not all(bool(torch.isfinite(p).all()) for p in local)
+            if dist.all_reduce_max([float(bad)], self.dist)[0] if self.sharded else bad:
                 raise TrainingError(f"checkpoint-{number} was not written: {slot} has non-finite weights (the last "
                                     "optimizer step diverged). Lower the learning rate and resume from the previous "
                                     "checkpoint.")
@@ -230,8 +243,38 @@ class Persistence:
         it and rank 0 writes."""
         if not isinstance(merge_adapters, bool):
             raise ConfigError(f"merge_adapters must be True or False, got {merge_adapters!r}.")
+        if self.sharded:
+            return self._save_sharded_model(Path(output_dir))
         return dist.main_process_first_result(lambda: _write_agents(Path(output_dir), self._exported(),
                                                                     merge_adapters, self.run_id), self.dist)
+
+    def _save_sharded_model(self, target: Path) -> Path:
+        """:meth:`save_model` of sharded agents: every process hands its shards to rank 0 (one agent at
+        a time, in CPU memory), which writes each folder as a checkpoint lays it out, without the
+        optimizer: the same files ``from_pretrained`` loads."""
+        from safetensors.torch import save_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from ..checkpoint.sharded import unique_state
+
+        slot_of = {id(m): slot for slot, m in self.trained_slots().modules.items()}
+        written = []
+        for folder, model, _ in self._exported():
+            names = set(unique_state(model))
+            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            written.append((folder, {k: v.contiguous() for k, v in full.items() if k in names},
+                            self._layout(slot_of[id(model)], model)))
+
+        def fill(tmp: Path) -> None:
+            for folder, tensors, layout in written:
+                (tmp / folder).mkdir(parents=True)
+                save_file(tensors, str(tmp / folder / layout.files()[0]), metadata={"format": "pt"})
+                for name, content in layout.sidecars.items():
+                    (tmp / folder / name).parent.mkdir(parents=True, exist_ok=True)
+                    (tmp / folder / name).write_bytes(content)
+
+        return dist.main_process_first_result(lambda: (write_export(target, fill, "save_model", self.run_id),
+                                                       target)[1], self.dist)
 
     def _exported(self) -> list[tuple[str, torch.nn.Module, Any]]:
         """``(folder, model, tokenizer)`` of everything :meth:`save_model` writes."""

@@ -16,9 +16,10 @@ from ..tracking.trackers import check_report_to, check_report_to_installed
 from .config import (Config, check_bool, check_choice, check_float, check_int, check_str, config_class, optional,
                      setting)
 
-__all__ = ["TrainerConfig", "ROLLOUT_BACKENDS", "MIXED_PRECISIONS"]
+__all__ = ["TrainerConfig", "ROLLOUT_BACKENDS", "MIXED_PRECISIONS", "SHARDINGS"]
 
 ROLLOUT_BACKENDS = ("auto", "hf", "generate", "vllm")
+SHARDINGS = ("none", "fsdp2")
 MIXED_PRECISIONS = ("bf16",)
 Devices = Optional[Union[str, Sequence[str]]]
 
@@ -171,6 +172,14 @@ class TrainerConfig(Config):
         optional(check_float(lambda v: 0 < v <= 1, "in (0, 1]")), may_change=True)
     vllm_engine_kwargs: Optional[dict] = setting(None, "rollout_backend='vllm': more vllm.LLM keyword arguments.",
                                                  _json_dict, may_change=True)
+    sharding: str = setting("none", "'none': every process holds every agent whole; 'fsdp2': each agent's parameters, "
+                                    "gradients and AdamW state are sharded over the processes torchrun starts "
+                                    "(torch's fully_shard, per decoder layer; docs/scaling.md).",
+                            check_choice(*SHARDINGS), may_change=True)
+    sharding_group_size: Optional[int] = setting(None, "sharding='fsdp2': shard within groups of this many processes "
+                                                       "(e.g. the GPUs of one node) and replicate across groups "
+                                                       "(HSDP); None = shard over every process.",
+                                                 optional(check_int(1)), may_change=True)
 
     def validate(self) -> None:
         super().validate()
@@ -190,6 +199,12 @@ class TrainerConfig(Config):
             raise ConfigError(f"vllm_gpu_memory_utilization / vllm_engine_kwargs only apply to rollout_backend='vllm' "
                               f"(got rollout_backend={self.rollout_backend!r}); remove them or set "
                               "rollout_backend='vllm'.")
+        if self.sharding == "fsdp2" and self.rollout_backend in ("vllm", "generate"):
+            raise ConfigError(f"sharding='fsdp2' samples with comlrl's transformers loop over the gathered agents; "
+                              f"rollout_backend={self.rollout_backend!r} does not run on sharded agents. Use "
+                              "rollout_backend='auto' or 'hf'.")
+        if self.sharding_group_size is not None and self.sharding != "fsdp2":
+            raise ConfigError("sharding_group_size applies to sharding='fsdp2'; set sharding='fsdp2' or remove it.")
 
     def _check_trackers(self) -> None:
         check_report_to_installed(self.report_to)

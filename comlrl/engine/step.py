@@ -20,7 +20,7 @@ from ..rollout import Rollout
 from . import distributed as dist
 
 __all__ = ["AgentRows", "concat_rollouts", "select_rows", "policy_backward", "step_denominator", "apply_gradients",
-           "StepLoss", "rows_log_probs", "OLD_LOG_PROBS", "ADVANTAGE_WEIGHTS"]
+           "StepLoss", "rows_log_probs", "OLD_LOG_PROBS", "ADVANTAGE_WEIGHTS", "collective_passes", "idle_passes"]
 
 # Keys of AgentRows.extras that policy_backward reads:
 OLD_LOG_PROBS = "old_log_probs"          # [R, T] the sampling policy's log-probs: the clipped-ratio (PPO) loss
@@ -103,8 +103,8 @@ def policy_backward(model: torch.nn.Module, rows: AgentRows, advantages: Advanta
                     loss_type: str, max_new_tokens: int, denominator: float, micro_groups: Optional[int],
                     reference: Optional[Callable[[Rollout], torch.Tensor]] = None, kl_coef: float = 0.0,
                     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                    clip_eps: Optional[float] = None, ratio_loss: bool = False, keep_log_probs: bool = False
-                    ) -> StepLoss:
+                    clip_eps: Optional[float] = None, ratio_loss: bool = False, keep_log_probs: bool = False,
+                    passes: Optional[int] = None) -> StepLoss:
     """Back-propagate an agent's policy-gradient loss over ``rows``, micro-batch by micro-batch.
 
     Per micro-batch: one padded forward for the rows' log-probs; with a ``reference`` (a function
@@ -121,6 +121,9 @@ def policy_backward(model: torch.nn.Module, rows: AgentRows, advantages: Advanta
     1); the KL penalty is then taken from the old log-probs, so that advantages stay those of the
     samples however many updates reuse them. Otherwise the REINFORCE loss at ratio 1
     (:func:`comlrl.functional.losses.policy_gradient_loss`).
+
+    ``passes`` (sharded agents, see :func:`collective_passes`): run idle passes after this
+    process's micro-batches until every process has run that many.
     """
     out = StepLoss()
     kept: list[torch.Tensor] = []
@@ -156,21 +159,56 @@ def policy_backward(model: torch.nn.Module, rows: AgentRows, advantages: Advanta
             kept.append(logp.detach())
     if keep_log_probs and kept:
         out.log_probs = torch.cat(kept)
+    idle_passes(model, (passes or 0) - len(rows.micro_batches(micro_groups)), reference=reference, grad=True,
+                autocast=autocast)
     return out
 
 
 @torch.no_grad()
 def rows_log_probs(model: torch.nn.Module, rows: AgentRows, *, temperature: float, micro_groups: Optional[int],
-                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> torch.Tensor:
+                   autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                   passes: Optional[int] = None) -> torch.Tensor:
     """``[R, T]`` log-probs of ``rows``' sampled tokens under ``model`` now, in the micro-batches
-    :func:`policy_backward` uses (so that the values equal those of its forward bit for bit)."""
+    :func:`policy_backward` uses (so that the values equal those of its forward bit for bit);
+    ``passes`` as in :func:`policy_backward`."""
     model.eval()
     parts = []
     for piece in rows.micro_batches(micro_groups):
         ro = piece.rollout
         with autocast():
             parts.append(sequence_log_probs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, temperature))
+    idle_passes(model, (passes or 0) - len(parts), grad=False, autocast=autocast)
     return torch.cat(parts)
+
+
+def collective_passes(rows: Optional[AgentRows], micro_groups: Optional[int], ctx: dist.DistContext,
+                      sharded: bool) -> Optional[int]:
+    """For a sharded agent (every forward and backward a collective), the number of micro-batch
+    passes every process runs: the most any process has (None when the agent is not sharded)."""
+    if not sharded:
+        return None
+    local = len(rows.micro_batches(micro_groups)) if rows is not None else 0
+    return int(dist.all_reduce_max([local], ctx)[0])
+
+
+def idle_passes(model: torch.nn.Module, count: int, *, reference: Optional[Callable[[Rollout], torch.Tensor]] = None,
+                grad: bool, autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+    """``count`` forward (and with ``grad``, backward) passes of one token that add nothing to any
+    gradient: a process with fewer rows than the others takes part in every collective of a
+    sharded model (the reference's forward too, when the real passes run one)."""
+    if count <= 0:
+        return
+    device = next(model.parameters()).device
+    one = torch.zeros((1, 1), dtype=torch.long, device=device)
+    idle = Rollout(one, torch.ones_like(one), one.clone(), torch.ones((1, 1), dtype=torch.bool, device=device),
+                   torch.zeros(1, dtype=torch.long, device=device), [""])
+    for _ in range(count):
+        with torch.set_grad_enabled(grad), autocast():
+            logp = sequence_log_probs(model, idle.prompt_ids, idle.prompt_mask, idle.completion_ids, 1.0)
+        if reference is not None:
+            reference(idle)
+        if grad:
+            (logp.sum() * 0.0).backward()
 
 
 def step_denominator(rows: Optional[AgentRows], loss_type: str, max_new_tokens: int, ctx: dist.DistContext) -> float:
@@ -178,6 +216,29 @@ def step_denominator(rows: Optional[AgentRows], loss_type: str, max_new_tokens: 
     :func:`comlrl.functional.losses.loss_denominator`); ``rows`` None: this process has none."""
     local = loss_denominator(rows.rollout.completion_mask, loss_type, max_new_tokens) if rows is not None else 0.0
     return dist.all_reduce_sum([local], ctx)[0]
+
+
+def _sum_gradients(model: torch.nn.Module, ctx: dist.DistContext) -> None:
+    """The sum over processes of every gradient of ``model``: all-reduced here, or for a sharded
+    model already reduced by FSDP as an average (each process's shard), turned back into the sum."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for p in model.parameters() if isinstance(p, DTensor)]
+    if not sharded:
+        dist.all_reduce_gradients(list(model.parameters()), ctx)
+        return
+    if ctx.world_size > 1:
+        for p in sharded:
+            if p.grad is not None:
+                p.grad.mul_(ctx.world_size)
+
+
+def _total_norm(grads: Sequence[torch.Tensor]) -> float:
+    """L2 norm of every gradient together (of the whole tensors, for shards)."""
+    from torch.distributed.tensor import DTensor
+
+    norm = torch.nn.utils.get_total_norm(list(grads))
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
 def apply_gradients(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
@@ -193,9 +254,9 @@ def apply_gradients(models: Sequence[torch.nn.Module], optimizers: Sequence[torc
     """
     norms = []
     for model in models:
-        dist.all_reduce_gradients(list(model.parameters()), ctx)
+        _sum_gradients(model, ctx)
         params = [p for p in model.parameters() if p.grad is not None]
-        norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in params])) if params else 0.0)
+        norms.append(_total_norm([p.grad for p in params]) if params else 0.0)
     bad = [i for i, n in enumerate(norms) if not math.isfinite(n)]
     if bad:
         for opt in optimizers:

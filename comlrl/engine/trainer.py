@@ -70,8 +70,10 @@ class Trainer(Evaluation, Persistence):
                               "agent_completions=..., num_agents=...) returning the agents' next prompts; pass one "
                               "or set num_turns=1.")
         self._early_checks(count)
+        self._check_sharding(peft_config)
         self.model_config = dict(model_config or {})
-        self.dist = dist.init_distributed(use_cuda=wants_cuda(self.args.agent_devices, count))
+        self.dist = dist.init_distributed(use_cuda=wants_cuda(self.args.agent_devices, count),
+                                          always=self.args.sharding == "fsdp2")
         devices = self.args.agent_devices
         if self.dist.enabled and devices in (None, "auto") and torch.cuda.is_available():
             devices = "cuda"  # under torchrun, automatic placement is this process's GPU (cuda:LOCAL_RANK)
@@ -100,9 +102,12 @@ class Trainer(Evaluation, Persistence):
             self._table("eval")
         dist.broadcast_parameters(self._broadcast_modules(), self.dist)
         self.reference_models = self._references()
+        if self.sharded:
+            self._shard()
         self._set_seed()
         self.optimizers, self.schedulers = self._optimizers(self.agents)
-        self.backend = make_backend(self.args.rollout_backend, self._policies(), self.tokenizers, seed=self.args.seed,
+        backend = "hf" if self.sharded and self.args.rollout_backend == "auto" else self.args.rollout_backend
+        self.backend = make_backend(backend, self._policies(), self.tokenizers, seed=self.args.seed,
                                     world_size=self.dist.world_size, vllm_options=self._vllm_options())
         self.state = TrainState()
         self.run_id = dist.gather_objects(uuid.uuid4().hex, self.dist)[0]  # rank 0's, on every rank
@@ -129,6 +134,58 @@ class Trainer(Evaluation, Persistence):
 
     def _accepted_config(self) -> type:
         return self.config_class
+
+    #: Whether the family runs with ``sharding="fsdp2"`` (its update equalises the passes of every
+    #: process and its trained modules are plain transformers models; see engine/sharding.py).
+    supports_sharding = False
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the agents are sharded with FSDP2 (``sharding="fsdp2"``)."""
+        return self.args.sharding == "fsdp2"
+
+    def _check_sharding(self, peft_config: Any) -> None:
+        """``sharding="fsdp2"``: refused, before any model loads, where it cannot run."""
+        if not self.sharded:
+            return
+        if not self.supports_sharding:
+            raise ConfigError(f"{type(self).__name__} does not run with sharding='fsdp2' (only the REINFORCE family "
+                              "does: MAGRPO, its variants, MAHAGRPO). Use sharding='none' with data parallelism, "
+                              "agents on separate devices (agent_devices), or LoRA agents (docs/scaling.md).")
+        if peft_config is not None:
+            raise ConfigError("sharding='fsdp2' shards full agents; LoRA agents (peft_config) keep one frozen base and "
+                              "small adapters, which need no sharding. Use one or the other.")
+        if "WORLD_SIZE" not in os.environ:
+            raise ConfigError("sharding='fsdp2' runs under torchrun, which starts the processes the agents are sharded "
+                              "over: torchrun --nproc_per_node N your_script.py (N=1 works too).")
+
+    def _shard(self) -> None:
+        """Shard every agent (and reference model) over the processes (engine/sharding.py); each
+        checkpoint folder's layout and side files are taken first, from the whole model."""
+        from .sharding import device_mesh, shard_model
+
+        self.fingerprint_extra()  # what it reads of the whole models (a frozen reference's values), taken now
+        for slot, module in self.trained_slots_before_optimizers().items():
+            layout = self._layout(slot, module)
+            if layout.parts != (("", "model.safetensors"),):
+                raise ConfigError(f"sharding='fsdp2' shards plain transformers models; {slot} is a "
+                                  f"{type(module).__name__}, whose checkpoint folder has several parts.")
+        device = self.agent_devices[0].type
+        mesh = device_mesh(self.dist, device, self.args.sharding_group_size)
+        for model in distinct_modules(list(self.agents) + [r for r in self.reference_models if r is not None]):
+            shard_model(model, mesh)
+
+    def trained_slots_before_optimizers(self) -> dict[str, torch.nn.Module]:
+        """The trained modules by slot, before the optimizers exist (see :meth:`trained_slots`)."""
+        return {f"agent-{i}": m for i, m in enumerate(self.agents)}
+
+    def _sampling(self) -> contextlib.AbstractContextManager:
+        """Around sampling: sharded agents gathered whole (engine/sharding.py), else nothing."""
+        if not self.sharded:
+            return contextlib.nullcontext()
+        from .sharding import gathered
+
+        return gathered(self._policies())
 
     def _early_checks(self, count: int) -> None:
         """Checks of the arguments that must fail before any model is loaded (families extend)."""
@@ -395,10 +452,13 @@ class Trainer(Evaluation, Persistence):
         Each completion has its own seeded generator, so the result does not depend on batching
         or the number of processes. Returns one ``Turn`` per turn played (``comlrl.extend``)."""
         table = self._table("train")
-        return self._collector(table).play(
-            self._batch(table, mine), num_generations=num_generations or self.args.num_generations,
-            num_turns=self.args.num_turns, seed_of=train_seeds(self.args.seed, epoch),
-            threshold=self.args.early_termination_threshold, timer=timer)
+        with self._sampling():  # every process enters (a collective when sharded), with prompts or without
+            if not mine:
+                return []
+            return self._collector(table).play(
+                self._batch(table, mine), num_generations=num_generations or self.args.num_generations,
+                num_turns=self.args.num_turns, seed_of=train_seeds(self.args.seed, epoch),
+                threshold=self.args.early_termination_threshold, timer=timer)
 
     def reference_log_probs(self, agent: int) -> Callable[[Rollout], torch.Tensor]:
         """The reference policy's log-probs of a rollout's tokens: the agent's frozen initial copy,

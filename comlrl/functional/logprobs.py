@@ -134,6 +134,14 @@ def linear_selected_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: 
     return _LinearSelectedLogProbs.apply(hidden, weight, bias, tokens, temperature, max(rows, 1), save)
 
 
+def _fsdp_sharded(model: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def _plain_head(model: torch.nn.Module):
     """(backbone, lm_head) when the model's logits are exactly ``lm_head(backbone(...)[0])``."""
     from transformers import PreTrainedModel
@@ -141,6 +149,8 @@ def _plain_head(model: torch.nn.Module):
     config = getattr(model, "config", None)
     if not isinstance(model, PreTrainedModel) or getattr(config, "model_type", None) not in _PLAIN_HEAD_MODEL_TYPES:
         return None  # e.g. a PEFT-wrapped agent: its own forward, whatever it does
+    if _fsdp_sharded(model):  # the root's own forward gathers the embedding and head: call it whole
+        return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     backbone = getattr(model, "base_model", None)
     if not isinstance(head, torch.nn.Linear) or backbone is None or backbone is model \

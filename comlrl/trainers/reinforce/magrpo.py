@@ -21,8 +21,8 @@ import torch
 from ...engine import distributed as dist
 from ...engine.metrics import record_turns
 from ...engine.state import PlayedBuffer
-from ...engine.step import (ADVANTAGE_WEIGHTS, OLD_LOG_PROBS, AgentRows, StepLoss, concat_rollouts, policy_backward,
-                           rows_log_probs, select_rows, step_denominator)
+from ...engine.step import (ADVANTAGE_WEIGHTS, OLD_LOG_PROBS, AgentRows, StepLoss, collective_passes, concat_rollouts,
+                           idle_passes, policy_backward, rows_log_probs, select_rows, step_denominator)
 from ...engine.timing import PhaseTimer
 from ...engine.trainer import Trainer
 from ...exceptions import ConfigError
@@ -64,6 +64,7 @@ class MAGRPOTrainer(Trainer):
 
     config_class = MAGRPOConfig
     algorithm_name = "MAGRPO"
+    supports_sharding = True
 
     def __init__(self, agent_model: Any = None, agents: Optional[Sequence[Any]] = None,
                  num_agents: Optional[int] = None, tokenizer: Any = None,
@@ -101,9 +102,9 @@ class MAGRPOTrainer(Trainer):
     # --- one buffer ----------------------------------------------------------------------------
     def collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
         """Rollout, score and returns for this process's prompts of the buffer."""
-        if not mine:  # this process has no prompt in the buffer
-            return PlayedBuffer([], {}, {"returns": []})
         turns = self.play_episodes(mine, epoch, timer)
+        if not turns:  # this process has no prompt in the buffer
+            return PlayedBuffer([], {}, {"returns": []})
         with timer("advantage"):
             joint = discounted_returns([t.rewards for t in turns], [t.children for t in turns],
                                        self._joint_per_node(), self.args.discount, self.args.num_turns)
@@ -155,33 +156,36 @@ class MAGRPOTrainer(Trainer):
         return metrics
 
     def agent_backward(self, buffer: PlayedBuffer, agent: int, groups: range,
-                        weights: Optional[torch.Tensor] = None) -> Optional[StepLoss]:
+                       weights: Optional[torch.Tensor] = None) -> Optional[StepLoss]:
         """Back-propagate agent ``agent``'s loss on the prompts ``groups``; ``weights`` (``[R]``,
-        one per row) multiply its advantages. None when this process has no rows."""
+        one per row) multiply its advantages. None when this process has no rows. Every process
+        calls it (its collectives: the loss denominator; with sharded agents, every pass)."""
         args = self.args
+        if args.ratio_loss:  # on every process, rows or not: a later step of the buffer may have some
+            self._keep_old_log_probs(buffer, agent)
         rows = self.agent_rows(buffer, agent, groups)
         denominator = step_denominator(rows, args.loss_type, args.max_new_tokens, self.dist)
+        passes = collective_passes(rows, args.micro_batch_size, self.dist, self.sharded)
+        reference = self.reference_log_probs(agent) if args.reference_kl_enabled else None
         if rows is None:
+            idle_passes(self.agents[agent], passes or 0, reference=reference, grad=True, autocast=self.autocast)
             return None
         key = (agent, groups.start)
-        if args.ratio_loss:
-            self._keep_old_log_probs(buffer, agent, groups)
-            old = buffer.data.setdefault("old_log_probs", {}).get(key)
-            if old is not None:
-                rows.extras[OLD_LOG_PROBS] = old
+        old = buffer.data.setdefault("old_log_probs", {}).get(key)
+        if args.ratio_loss and old is not None:
+            rows.extras[OLD_LOG_PROBS] = old
         if weights is not None:
             rows.extras[ADVANTAGE_WEIGHTS] = weights
         out = policy_backward(
             self.agents[agent], rows, self.advantages, temperature=args.temperature, loss_type=args.loss_type,
             max_new_tokens=args.max_new_tokens, denominator=denominator, micro_groups=args.micro_batch_size,
-            reference=self.reference_log_probs(agent) if args.reference_kl_enabled else None,
-            kl_coef=args.reference_kl_coef, autocast=self.autocast, clip_eps=args.ppo_clip_eps,
-            ratio_loss=args.ratio_loss, keep_log_probs=args.ratio_loss and key not in buffer.data["old_log_probs"])
+            reference=reference, kl_coef=args.reference_kl_coef, autocast=self.autocast, clip_eps=args.ppo_clip_eps,
+            ratio_loss=args.ratio_loss, keep_log_probs=args.ratio_loss and old is None, passes=passes)
         if out.log_probs is not None:  # this step's first update: its forward was the sampling policy's
             buffer.data["old_log_probs"][key] = out.log_probs
         return out
 
-    def _keep_old_log_probs(self, buffer: PlayedBuffer, agent: int, groups: range) -> None:
+    def _keep_old_log_probs(self, buffer: PlayedBuffer, agent: int) -> None:
         """Before an agent's first update on a buffer, its policy is the one that sampled: the
         log-probs of the rows of the buffer's OTHER optimizer steps are taken now (no gradient),
         those of this step come from this step's own forward (no extra pass when a buffer is one
@@ -191,12 +195,18 @@ class MAGRPOTrainer(Trainer):
         if buffer.steps_done or agent in read:
             return
         read.add(agent)
-        for step in buffer.steps:
-            rows = self.agent_rows(buffer, agent, step) if step != groups else None
-            if rows is not None:
-                kept[(agent, step.start)] = rows_log_probs(self.agents[agent], rows, temperature=self.args.temperature,
-                                                           micro_groups=self.args.micro_batch_size,
-                                                           autocast=self.autocast)
+        model = self.agents[agent]
+        for index, step in enumerate(buffer.steps):
+            if index == 0:  # the buffer's first step: this very step, read by its own forward
+                continue
+            rows = self.agent_rows(buffer, agent, step)
+            passes = collective_passes(rows, self.args.micro_batch_size, self.dist, self.sharded)
+            if rows is None:
+                idle_passes(model, passes or 0, grad=False, autocast=self.autocast)
+                continue
+            kept[(agent, step.start)] = rows_log_probs(model, rows, temperature=self.args.temperature,
+                                                       micro_groups=self.args.micro_batch_size,
+                                                       autocast=self.autocast, passes=passes)
 
     @staticmethod
     def loss_totals(out: Optional[StepLoss]) -> tuple[float, ...]:
@@ -220,8 +230,10 @@ class MAGRPOTrainer(Trainer):
             extra["lora_bases"] = [base_fingerprint(m.shared) for m in self.agents]
             extra["lora_adapters"] = [m.fingerprint()["adapter_config"] for m in self.agents]
         if self.args.reference_kl_enabled:
-            extra["references"] = [base_fingerprint(r if r is not None else m.shared)
-                                    for r, m in zip(self.reference_models, self.agents)]
+            if "_reference_prints" not in self.__dict__:  # frozen models: taken once (before any sharding)
+                self._reference_prints = [base_fingerprint(r if r is not None else m.shared)
+                                          for r, m in zip(self.reference_models, self.agents)]
+            extra["references"] = self._reference_prints
         return extra
 
     def _run_config_extra(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ each row has one M.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ import torch
 from ...engine import distributed as dist
 from ...engine.config import check_choice, check_float, config_class, setting
 from ...engine.state import PlayedBuffer
-from ...engine.step import rows_log_probs
+from ...engine.step import collective_passes, idle_passes, rows_log_probs
 from ...exceptions import ConfigError
 from ...functional.losses import sequence_ratio
 from .config import JOINT_MODES, MAGRPOConfig
@@ -95,21 +95,26 @@ class MAHAGRPOTrainer(MAGRPOTrainer):
             metrics[f"agent_{agent}/update_position"] = float(position)
             if weights is not None:
                 metrics[f"agent_{agent}/advantage_weight_mean"] = float(weights.mean())
-            if out is not None and position < len(self.agents) - 1:
+            if position < len(self.agents) - 1:  # every process (collectives when sharded), rows or not
                 factor = self._clipped_ratio(buffer, agent, groups, eps)
-                weights = factor if weights is None else weights * factor
+                if factor is not None:
+                    weights = factor if weights is None else weights * factor
         if "train/skipped_steps" in metrics and not any(k.endswith("/grad_norm") for k in metrics):
             return metrics  # every agent's update was skipped (non-finite gradients)
         metrics.pop("train/skipped_steps", None)
         self.state.global_step += 1
         return metrics
 
-    def _clipped_ratio(self, buffer: PlayedBuffer, agent: int, groups: range, eps: float) -> torch.Tensor:
+    def _clipped_ratio(self, buffer: PlayedBuffer, agent: int, groups: range, eps: float) -> Optional[torch.Tensor]:
         """``[R]`` clip(pi_new / pi_old, 1 - eps, 1 + eps) of the agent's completions of the rows,
-        after its update (float64, no gradient)."""
+        after its update (float64, no gradient); None when this process has no rows."""
         rows = self.agent_rows(buffer, agent, groups)
+        passes = collective_passes(rows, self.args.micro_batch_size, self.dist, self.sharded)
+        if rows is None:
+            idle_passes(self.agents[agent], passes or 0, grad=False, autocast=self.autocast)
+            return None
         new = rows_log_probs(self.agents[agent], rows, temperature=self.args.temperature,
-                             micro_groups=self.args.micro_batch_size, autocast=self.autocast)
+                             micro_groups=self.args.micro_batch_size, autocast=self.autocast, passes=passes)
         old = buffer.data["old_log_probs"][(agent, groups.start)]
         mask = rows.rollout.completion_mask.to(new.device)
         return sequence_ratio(new, old.to(new.device), mask).clamp(1.0 - eps, 1.0 + eps).cpu()

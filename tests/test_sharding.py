@@ -1,0 +1,128 @@
+"""Agents sharded with FSDP2 (sharding="fsdp2") on 2 gloo processes on CPU, against the unsharded run:
+the same training within float tolerance, half of each agent per process, exact resume, resharding
+on resume (2 -> 1, 1 -> 2), checkpoints whose folders from_pretrained loads, clear refusals."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from test_distributed import assert_close_runs, final, rows, run
+
+pytestmark = pytest.mark.slow
+
+SHARDED = ("--sharding", "fsdp2")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shard")
+    run(root / "one", "--kl", "0.05")                       # one process, every agent whole
+    run(root / "two", "--kl", "0.05", *SHARDED, procs=2)    # each agent (and its reference) sharded over 2
+    return root
+
+
+def test_sharded_training_equals_unsharded(runs):
+    assert_close_runs(runs / "one", runs / "two")
+    assert [r["global_step"] for r in rows(runs / "two")] == [1, 2]
+
+
+def test_each_process_holds_half_of_each_agent(runs):
+    """Parameters and AdamW moments: FSDP2 splits every tensor along its first dimension, padded, so
+    a process of two holds about half (asserted within 0.4-0.6)."""
+    for rank in (0, 1):
+        record = json.loads((runs / "two" / f"rank{rank}.json").read_text())
+        assert record["world_size"] == 2
+        for fraction in record["params_fraction"] + record["moments_fraction"]:
+            assert 0.4 <= fraction <= 0.6, record
+
+
+def test_sharded_resume_is_exact(runs):
+    run(runs / "two-4", "--kl", "0.05", "--epochs", "4", *SHARDED, procs=2)
+    resumed = runs / "two-resumed"
+    shutil.copytree(runs / "two", resumed)
+    run(resumed, "--kl", "0.05", "--epochs", "4", "--resume", str(resumed / "ckpt" / "checkpoint-2"), *SHARDED,
+        procs=2)
+    a, b = final(runs / "two-4"), final(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert rows(runs / "two-4") == rows(resumed)
+
+
+def test_a_sharded_checkpoint_resumes_unsharded_on_one_process(runs):
+    other = runs / "two-on-one"
+    shutil.copytree(runs / "two", other)
+    result = run(other, "--kl", "0.05", "--epochs", "4", "--resume", str(other / "ckpt" / "checkpoint-2"))
+    assert "written by 2 process(es) and resumes on 1" in result.stderr
+    if not (runs / "two-4").exists():
+        run(runs / "two-4", "--kl", "0.05", "--epochs", "4", *SHARDED, procs=2)
+    assert_close_runs(runs / "two-4", other)
+
+
+def test_an_unsharded_checkpoint_resumes_sharded_on_two_processes(runs):
+    other = runs / "one-on-two"
+    shutil.copytree(runs / "one", other)
+    run(other, "--kl", "0.05", "--epochs", "4", "--resume", str(other / "ckpt" / "checkpoint-2"), *SHARDED, procs=2)
+    run(runs / "one-4", "--kl", "0.05", "--epochs", "4")
+    assert_close_runs(runs / "one-4", other)
+
+
+def test_a_sharded_checkpoint_is_an_ordinary_one(runs, tmp_path):
+    """Its folders load with from_pretrained, and export and save_model write from_pretrained folders."""
+    from transformers import AutoModelForCausalLM
+
+    from comlrl.checkpoint.export import export_checkpoint
+
+    checkpoint = runs / "two" / "ckpt" / "checkpoint-2"
+    weights = final(runs / "two")
+    ids = torch.tensor([[5, 9, 2, 7]])
+    for source in (checkpoint / "agent-1", runs / "two" / "saved" / "agent_1"):
+        model = AutoModelForCausalLM.from_pretrained(source)
+        assert all(torch.equal(p, weights[f"agent-1.{n}"]) for n, p in model.named_parameters())
+        assert json.loads((source / "config.json").read_text())["architectures"] == ["Qwen2ForCausalLM"]
+    export_checkpoint(checkpoint, tmp_path / "exported")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported" / "agent_0")
+    assert all(torch.equal(p, weights[f"agent-0.{n}"]) for n, p in exported.named_parameters())
+    listed = json.loads((checkpoint / "manifest.json").read_text())["files"]
+    assert "agent-0/model.safetensors" in listed and "agent-0/optimizer.safetensors" in listed
+    assert not any(".dcp" in name or "sharded" in name for name in listed)
+    assert sorted(load_file(str(checkpoint / "agent-0" / "optimizer.safetensors")))[0].split(".", 1)[1] in (
+        "exp_avg", "exp_avg_sq", "step")
+
+
+def test_uneven_shares_and_several_passes_per_buffer(tmp_path):
+    """5 prompts, 2 per step over 2 processes (the last step gives one process nothing), the
+    clipped-ratio update with 2 passes: every process runs the same collectives (idle passes),
+    and the run is the unsharded one within tolerance."""
+    args = ("--extra-prompt", "--train-batch-size", "2", "--ppo")
+    run(tmp_path / "one", *args)
+    run(tmp_path / "two", *args, *SHARDED, procs=2)
+    assert_close_runs(tmp_path / "one", tmp_path / "two")
+
+
+def test_where_sharding_cannot_run_it_is_refused_before_models_load(model_path, tokenizer, monkeypatch):
+    from peft import LoraConfig
+
+    from comlrl import ConfigError, MAGRPOConfig, MAGRPOTrainer
+    from comlrl.trainers.actor_critic import IACConfig, IACTrainer
+
+    data = [{"prompt": "Say hi."}]
+    with pytest.raises(ConfigError, match="IACTrainer does not run with sharding='fsdp2'"):
+        IACTrainer(agent_model="no/such/model", critic_model="no/such/model", reward_func=lambda a, b: [0.0] * len(a),
+                   train_dataset=data,
+                   args=IACConfig(num_turns=1, num_generations=1, sharding="fsdp2"))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match="runs under torchrun"):
+        MAGRPOTrainer(agent_model="no/such/model", reward_func=lambda a, b: [0.0] * len(a), train_dataset=data,
+                      args=MAGRPOConfig(num_turns=1, sharding="fsdp2"))
+    with pytest.raises(ConfigError, match="LoRA agents"):
+        MAGRPOTrainer(agent_model="no/such/model", reward_func=lambda a, b: [0.0] * len(a), train_dataset=data,
+                      peft_config=LoraConfig(r=2), args=MAGRPOConfig(num_turns=1, sharding="fsdp2"))
+    with pytest.raises(ConfigError, match="rollout_backend='generate'"):
+        MAGRPOConfig(sharding="fsdp2", rollout_backend="generate")
+    with pytest.raises(ConfigError, match="sharding_group_size applies"):
+        MAGRPOConfig(sharding_group_size=2)
+    assert os.environ.get("WORLD_SIZE") is None
