@@ -224,8 +224,13 @@ def judge_main(z, tests: list[str], setup: str, exports: Optional[list[str]], co
         left = end - time.monotonic()
         if load_failure is None and base is None and timeouts < max_timeouts and left > 0:
             base, *failure = _load(program, min(timeout_s, left), exports)
-            load_failure = tuple(failure) if base is None else None  # loading again would fail again
             left = end - time.monotonic()
+            if base is not None:
+                load_failure = None
+            elif failure[0] == "timeout" and left <= 0:
+                load_failure = ("timeout", f"not run: the check's {check_s:g} s were used up (loading the program)")
+            else:
+                load_failure = tuple(failure)  # loading again would fail again
         if load_failure is not None:
             status, message = load_failure
         elif timeouts >= max_timeouts:
