@@ -722,7 +722,7 @@ def test_files_count_against_the_run(request):
     """))
     assert result.status in ("ok", "memory", "killed"), result
     if result.status == "ok":
-        assert int(result.stdout.split()[-1]) < 256, result.stdout
+        assert int(result.stdout.split()[-1]) <= 256, result.stdout  # MiB: the tmpfs holds memory_mb
 
 
 def test_process_count_bounds_the_whole_run(request):
@@ -877,10 +877,13 @@ def test_error_text_is_valid_utf8(box):
 
 
 def test_stop_iteration_cannot_end_a_test_early(box):
-    """F10: a StopIteration re-raised in the test ends its generator: all(...) over it was True."""
+    """F10: a StopIteration re-raised in the test ends the iterator calling it (map, filter, a
+    hand-written __next__): all(...) over it saw an empty sequence and was True. (In a generator
+    expression PEP 479 already turns it into RuntimeError.)"""
     program = "def f(x):\n    raise StopIteration\n"
-    report = box.check(program, ["assert all(f(i) == i + 1 for i in range(3))",
-                                 "assert list(f(i) for i in range(3)) == [1, 2, 3]"])
+    report = box.check(program, ["assert all(map(lambda i: f(i) == i + 1, range(3)))",
+                                 "assert not list(filter(lambda i: f(i) != i + 1, range(3)))",
+                                 "assert all(f(i) == i + 1 for i in range(3))"])
     assert report.passed == 0, report
     assert "RuntimeError" in report.results[0].message
 
@@ -998,9 +1001,10 @@ def test_deeply_nested_messages_do_not_kill_the_judge(box):
 
 
 def test_output_after_exit_is_drained_with_a_deadline(request):
-    """The zygote read a dead program's pipes for as long as anything wrote to them: a child it
-    left behind writing forever hung the request until the worker was given up."""
-    box = _sandbox(request, workers=1, timeout_s=3, max_output_bytes=50_000_000)
+    """The zygote read a dead program's pipes for as long as anything wrote to them (without a
+    byte limit): a child it left behind writing forever hung the request until the worker was
+    given up."""
+    box = _sandbox(request, workers=1, timeout_s=3)
     box.run("pass")
     zygote = box._all[0].proc.pid
     start = time.monotonic()
@@ -1008,8 +1012,7 @@ def test_output_after_exit_is_drained_with_a_deadline(request):
         import os, time
         if os.fork() == 0:
             while True:
-                os.write(1, b"x" * 100)
-                time.sleep(0.0001)
+                os.write(1, b"x" * 65536)
         time.sleep(0.2)
     """))
     assert time.monotonic() - start < 3 + 5, result.status

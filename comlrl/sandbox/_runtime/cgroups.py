@@ -56,6 +56,8 @@ class RunGroup:
             self._write(index, "cgroup.procs", "0")  # 0: the writer
 
     def members(self) -> list[int]:
+        if not self.fds:
+            return []
         try:
             return [int(p) for p in self._read(0, "cgroup.procs").split()]
         except OSError:
@@ -63,6 +65,8 @@ class RunGroup:
 
     def kill(self) -> None:
         """SIGKILL every process in the group (cgroup.kill where the kernel has it)."""
+        if not self.fds:
+            return
         if self.version == 2:
             try:
                 self._write(0, "cgroup.kill", "1")
@@ -73,6 +77,8 @@ class RunGroup:
 
     def oom_kills(self) -> int:
         """How many processes the kernel killed in the group for memory, so far."""
+        if not self.fds:
+            return 0
         try:
             text = self._read(0, "memory.events" if self.version == 2 else "memory.oom_control")
         except OSError:
@@ -213,6 +219,11 @@ def _make(parent: str, name: str) -> tuple[str, int, int]:
 def _create_v2(parent: str | None, name: str, memory_mb: int, tasks: int) -> RunGroup:
     if parent is None:
         raise OSError(errno.ENOENT, "this process's cgroup is not under the cgroup2 mount")
+    with open(os.path.join(parent, "cgroup.controllers")) as f:
+        available = set(f.read().split())
+    if not all(c in available for c in _REQUIRED):
+        raise OSError(errno.ENOTSUP, f"{parent} has no {'/'.join(c for c in _REQUIRED if c not in available)} "
+                                     "controller (bound to a v1 hierarchy, or not delegated)")
     with open(os.path.join(parent, "cgroup.subtree_control")) as f:
         enabled = set(f.read().split())
     missing = [c for c in _REQUIRED if c not in enabled]
@@ -250,7 +261,12 @@ def _create_v1(hierarchies: dict[str, str], name: str, memory_mb: int, tasks: in
                 "cpu": [("cpu.cfs_period_us", str(_CPU_PERIOD_US)), ("cpu.cfs_quota_us", str(_CPU_PERIOD_US))]}
     try:
         for controller, parent in hierarchies.items():  # memory first: index 0 is read for members and OOM kills
-            path, fd, parent_fd = _make(parent, name)
+            try:
+                path, fd, parent_fd = _make(parent, name)
+            except OSError:
+                if controller in _REQUIRED:
+                    raise
+                continue  # no CPU limit, then
             group.paths.append(path)
             group.fds.append(fd)
             group.parents.append(parent_fd)
@@ -264,9 +280,9 @@ def _create_v1(hierarchies: dict[str, str], name: str, memory_mb: int, tasks: in
             except OSError:
                 if controller in _REQUIRED:
                     raise
-                _rmdir(lambda: os.rmdir(name, dir_fd=group.parents[-1]))  # no CPU limit, then
-                os.close(group.fds.pop())
-                os.close(group.parents.pop())
+                _rmdir(lambda: os.rmdir(name, dir_fd=parent_fd))  # no CPU limit, then
+                for fds in (group.fds, group.parents):
+                    os.close(fds.pop())
                 group.paths.pop()
                 continue
             group.controllers += (controller,)

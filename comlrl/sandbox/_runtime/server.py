@@ -39,6 +39,7 @@ def main() -> None:
     gc.freeze()  # forked children then touch (copy) fewer of the zygote's pages
     frames.write_frame(1, {"active": z.active, "reasons": z.reasons, "pid": os.getpid(),
                            "cgroups": z.cgroup.paths if z.cgroup is not None else []})
+    status = 0
     try:
         while True:
             try:
@@ -48,10 +49,13 @@ def main() -> None:
             handler = _run if header["op"] == "run" else _check
             layers.refresh(z)
             frames.write_frame(1, handler(z, header))
+    except BaseException:  # a bug here: shown on the worker's stderr; the worker starts a new zygote
+        traceback.print_exc()
+        status = 70
     finally:
         if z.cgroup is not None:
             z.cgroup.remove()
-        os._exit(0)
+        os._exit(status)
 
 
 # --- one request -----------------------------------------------------------------------------------
