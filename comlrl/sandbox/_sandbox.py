@@ -106,7 +106,8 @@ class Sandbox:
         require: layers (keys of :meth:`isolation`) that must be active; without one of them the
             sandbox refuses to start with :class:`~comlrl.exceptions.SandboxError`.
         disable: mechanisms to leave off (``user_namespace``, ``pid_namespace``,
-            ``network_namespace``, ``mount_namespace``, ``uid_drop``, ``seccomp``, ``landlock``), e.g.
+            ``network_namespace``, ``mount_namespace``, ``ipc_namespace``, ``cgroup``, ``uid_drop``,
+            ``seccomp``, ``landlock``), e.g.
             where one misbehaves; tests use it to exercise the degraded paths.
         max_timeouts: in :meth:`check`, after this many tests timed out the rest are not run
             (reported as timeouts).
