@@ -33,8 +33,11 @@ def problems():
 def bench_sandbox(rows, workers: int) -> tuple[float, int]:
     from comlrl.sandbox import Sandbox
     from comlrl.tasks.code import tests_for
+    from comlrl.tasks.code.program import check_item
 
-    items = [(r["prompt"] + r["canonical_solution"], tests_for(r)) for r in rows]
+    # as the reward checks them: the prompt's helpers in the judge, only the entry point exported
+    items = [check_item(r["prompt"] + r["canonical_solution"], tests_for(r), r["prompt"], r["entry_point"])
+             for r in rows]
     with Sandbox(timeout_s=5, workers=workers) as box:
         box.run_many(["pass"] * workers)  # start the workers outside the timing
         start = time.perf_counter()

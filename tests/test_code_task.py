@@ -19,6 +19,7 @@ from comlrl.tasks.code import (CollabLevels, code_collab_reward, code_eval_logge
                                helper_formatter, humaneval_split, joint_program, load_humaneval, main_formatter,
                                pass_at_k, pass_at_k_aggregator, pass_rate_reward, repeat_rows, single_formatter,
                                structure, test_feedback_transition, tests_for, train_eval_split)
+from comlrl.tasks.code.program import check_item, extract_imports  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,9 @@ def test_repeat_rows(humaneval):
 
 
 def test_every_canonical_solution_passes_every_test_and_broken_ones_fail(humaneval, box):
-    items = [(r["prompt"] + r["canonical_solution"], tests_for(r)) for r in humaneval]
+    # as the reward checks them: the prompt's helpers trusted (setup), only the entry point exported
+    items = [check_item(r["prompt"] + r["canonical_solution"], tests_for(r), r["prompt"], r["entry_point"])
+             for r in humaneval]
     reports = box.check_many(items)
     failing = {r["task_id"]: rep.failures(2) for r, rep in zip(humaneval, reports) if not rep.all_passed}
     assert failing == {}
@@ -246,6 +249,63 @@ def test_eval_hooks_give_pass_at_1_and_k(box):
     assert metrics["pass@1"] == pytest.approx((0.5 + 0.0) / 2)
     assert metrics["pass@2"] == pytest.approx((1.0 + 0.0) / 2)
     assert metrics["turn_1/pass_rate"] == pytest.approx((1 + 0.5 + 0.5 + 0.5) / 4)
+
+
+# --- the review's findings ------------------------------------------------------------------------------
+
+def test_the_prompt_helpers_cannot_be_replaced_by_the_program(humaneval, box):
+    """F2: HumanEval/32's tests check find_zero through the prompt's poly(), which was part of the
+    untrusted program: a helper rebinding poly while defined scored the full 4.0."""
+    row = humaneval[32]
+    helper = "def aux(xs, _=globals().__setitem__('poly', lambda xs, x: 0.0)):\n    return 0.0\n"
+    main = "def find_zero(xs: list):\n    return aux(xs) + 1.0 * len(xs) * 0\n"
+    reward = code_collab_reward(box)
+    assert reward([helper], [main], batch_items=[row]) == [pytest.approx(0.4 + 0.6 + 0.5)]
+    via_import = "import math; globals()['poly'] = lambda xs, x: 0.0\n" + main
+    assert reward([""], [via_import], batch_items=[row])[0] < 2.0
+    honest = row["prompt"] + row["canonical_solution"]  # still scores: the tests' poly is the prompt's
+    assert reward([""], [honest], batch_items=[row]) == [pytest.approx(0.6 + 0.5 + 1.0)]
+    assert pass_rate_reward(box)([helper], [main], batch_items=[row]) == [0.0]
+    for shift in (38, 50):  # encode_cyclic, encode_shift: tests encode with the prompt's function
+        row = humaneval[shift]
+        helper = (f"def aux(s, _=globals().__setitem__('{'encode_cyclic' if shift == 38 else 'encode_shift'}', "
+                  "lambda s: s)):\n    return s\n")
+        main = f"def {row['entry_point']}(s: str):\n    return aux(s)\n"
+        assert pass_rate_reward(box)([helper], [main], batch_items=[row]) == [0.0]
+
+
+def test_only_plain_import_lines_are_kept():
+    text = ("import math\nimport math; globals()['poly'] = 1\nfrom os import path as p\n"
+            "import os, sys\nfrom x import (a,\nimport json  # comment\n")
+    assert extract_imports(text) == ["import math", "from os import path as p", "import os, sys",
+                                     "import json  # comment"]
+
+
+@pytest.mark.parametrize("main", [
+    "def add(a, b):\n    return " + "-" * 2985 + "a",             # RecursionError in the parser
+    "def add(a, b):\n    return " + "(" * 300 + "a" + ")" * 300,  # too many nested parentheses
+    "def add(a, b):\n    f = " + "lambda: " * 3000 + "1\n    return a + b",
+    "def add(a, b):\n    return a\x00 + b",
+])
+def test_deeply_nested_code_does_not_crash_the_trainer(box, main):
+    """F7: ast.parse raised RecursionError / MemoryError (not SyntaxError) on deep expressions,
+    out of the reward, the feedback transition and the eval logger, into the trainer."""
+    values = code_collab_reward(box)([HELPER], [main], batch_items=[ADD_ROW])
+    assert 0.0 <= values[0] <= 4.0
+    assert pass_rate_reward(box)([main], batch_items=[ADD_ROW])[0] <= 1.0
+    prompts = test_feedback_transition(box)(agent_completions=[HELPER, main], num_agents=2, batch_item=ADD_ROW)
+    assert len(prompts) == 2
+    records = code_eval_logger(box)(agent_completions_turns=[[[HELPER]], [[main]]], batch_items=[ADD_ROW])
+    assert records[0]["turn_1/passed"] in (0.0, 1.0)
+
+
+def test_feedback_prompts_are_valid_utf8(box):
+    """F6: a lone surrogate in the program's error went into the next turn's prompt."""
+    main = "def add(a, b):\n    raise ValueError(chr(0xD800) + 'no')\n"
+    prompts = test_feedback_transition(box)(agent_completions=[HELPER, main], num_agents=2, batch_item=ADD_ROW)
+    for prompt in prompts:
+        prompt.encode("utf-8")
+    assert "ValueError" in prompts[1] and "no" in prompts[1]
 
 
 # --- training through the sandbox ---------------------------------------------------------------------

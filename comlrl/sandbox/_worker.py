@@ -8,7 +8,6 @@ so no secret reaches it or anything it forks), in its own session, running the s
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..exceptions import SandboxError
-from ._runtime import frames
+from ._runtime import cgroups, cleanup, frames
 
 __all__ = ["Worker"]
 
@@ -38,6 +37,7 @@ _BOOT = (
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
         "PYTHONDONTWRITEBYTECODE": "1"}
 _SLACK_S = 30.0  # beyond a request's own deadline, before a silent worker is given up
+_SEND_S = 30.0   # for the zygote to take in a request (it reads each one as soon as it is idle)
 
 
 class Worker:
@@ -59,8 +59,10 @@ class Worker:
             self.proc = subprocess.Popen(
                 [sys.executable, "-s", "-B", "-c", _BOOT, str(RUNTIME)], stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE, env=dict(_ENV), cwd=self.base_dir, close_fds=True, start_new_session=True)
+            os.set_blocking(self.proc.stdin.fileno(), False)  # writes have a deadline
             frames.write_frame(self.proc.stdin.fileno(), {**self.settings, "base_dir": self.base_dir,
-                                                           "sys_path": [p for p in sys.path if p]})
+                                                           "sys_path": [p for p in sys.path if p]},
+                               time.monotonic() + 60)
             self.report = frames.FrameReader(self.proc.stdout.fileno(), 1 << 20).read(time.monotonic() + 60)
         except (OSError, frames.Closed, frames.Timeout) as exc:
             self.stop()
@@ -74,17 +76,21 @@ class Worker:
         self.start()
         assert self.proc is not None
         try:
-            frames.write_frame(self.proc.stdin.fileno(), header)
+            frames.write_frame(self.proc.stdin.fileno(), header, time.monotonic() + _SEND_S)
             if body is not None:
-                frames.write_frame(self.proc.stdin.fileno(), body)
+                frames.write_frame(self.proc.stdin.fileno(), body, time.monotonic() + _SEND_S)
             return frames.FrameReader(self.proc.stdout.fileno(), 1 << 31).read(time.monotonic() + timeout_s + _SLACK_S)
         except (OSError, frames.Closed, frames.Timeout):
             self.stop()
             return None
 
     def stop(self) -> None:
-        """End the zygote (and with it whatever it runs) and remove its folder."""
+        """End the zygote (and with it whatever it runs) and remove its folder and cgroup. Never
+        raises: whatever a program left behind, the worker starts afresh next time."""
         proc, self.proc = self.proc, None
+        base_dir, self.base_dir = self.base_dir, None
+        groups = (self.report or {}).get("cgroups") or []
+        self.report = None
         if proc is not None:
             for stream in (proc.stdin, proc.stdout):
                 try:
@@ -99,6 +105,7 @@ class Worker:
                 except (ProcessLookupError, PermissionError):
                     pass
                 proc.wait()
-        if self.base_dir is not None:
-            shutil.rmtree(self.base_dir, ignore_errors=True)
-            self.base_dir = None
+        if groups:
+            cgroups.remove_paths([str(g) for g in groups])  # those its zygote could not remove (killed)
+        if base_dir is not None:
+            cleanup.remove_tree(base_dir)

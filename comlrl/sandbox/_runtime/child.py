@@ -21,7 +21,7 @@ from typing import Any
 
 from . import codec, frames, layers, osapi
 
-__all__ = ["init_run", "init_check", "describe"]
+__all__ = ["init_run", "init_check", "describe", "clean_text"]
 
 _LOADED_NAME = "solution"  # __name__ of checked code: `if __name__ == "__main__":` blocks do not run
 
@@ -58,10 +58,20 @@ def _reap(block: bool = False) -> list[tuple[int, int]]:
         block = False
 
 
+def clean_text(text: str) -> str:
+    """``text`` as valid UTF-8: a program's lone surrogates (``chr(0xD800)``) become "?" (they would
+    crash a tokenizer once its error message is part of the next prompt)."""
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
 def describe(exc: BaseException) -> str:
     """``Type: message``, one line, for reports."""
-    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    return " ".join(text.split())[:500]
+    try:
+        name, message = type(exc).__name__, str(exc)
+    except Exception:  # a program's exception whose __str__ raises
+        name, message = type(exc).__name__, "<unprintable>"
+    text = f"{name}: {message}" if message else name
+    return clean_text(" ".join(text.split())[:500])
 
 
 # --- run ------------------------------------------------------------------------------------------
@@ -85,6 +95,7 @@ def _deadline(program: int, seconds: float) -> None:
 
 def init_run(z, code: str, workdir: str, stdin_fd: int, out_w: int, err_w: int, status_w: int, tag_w: int) -> None:
     """T of a run: fork the program, report its wait status on ``status_w``, exit."""
+    layers.enter_request(z)
     _move_fds({stdin_fd: 0, out_w: 1, err_w: 2, status_w: 3, tag_w: 4})
     _close_other_fds({3, 4})
     _end_with_zygote(z)
@@ -165,6 +176,7 @@ def _print_exception() -> None:
 def init_check(z, code: str, workdir: str, control: int, cpu_s: float) -> None:
     """T of a check: on each ``spawn <gen>`` from the judge (a socket), kill the previous program,
     fork a new one and send the judge its pipe ends; reap orphans; exit when the judge hangs up."""
+    layers.enter_request(z)
     null = os.open(os.devnull, os.O_RDWR)
     _move_fds({null: 0, control: 3})
     os.dup2(0, 1)

@@ -24,15 +24,22 @@ class Timeout(TimeoutError):
     """Nothing (complete) arrived before the deadline."""
 
 
-def write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes, deadline: Optional[float] = None) -> None:
+    """Write all of ``data``; with a ``deadline`` (``fd`` non-blocking), raise :class:`Timeout`
+    when the reader takes none of it in time (a reader that stopped reading never blocks us)."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        if deadline is not None:
+            _wait(fd, deadline, write=True)
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            continue
 
 
-def write_frame(fd: int, message: Any) -> None:
+def write_frame(fd: int, message: Any, deadline: Optional[float] = None) -> None:
     body = json.dumps(message, separators=(",", ":")).encode()
-    write_all(fd, _HEADER.pack(len(body)) + body)
+    write_all(fd, _HEADER.pack(len(body)) + body, deadline)
 
 
 def read_exact(fd: int, size: int) -> bytes:
@@ -56,16 +63,16 @@ def read_frame(fd: int, limit: int = 1 << 30) -> Any:
     return json.loads(read_exact(fd, size))
 
 
-def _wait_readable(fd: int, deadline: Optional[float]) -> None:
+def _wait(fd: int, deadline: Optional[float], write: bool = False) -> None:
     while True:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise Timeout()
         try:
-            ready, _, _ = select.select([fd], [], [], left)
+            ready = select.select([] if write else [fd], [fd] if write else [], [], left)
         except InterruptedError:
             continue
-        if ready:
+        if ready[0] or ready[1]:
             return
 
 
@@ -86,9 +93,9 @@ class FrameReader:
                     self.buffer = self.buffer[_HEADER.size + size:]
                     try:
                         return json.loads(body)
-                    except ValueError:
+                    except (ValueError, RecursionError):
                         raise Closed("malformed frame") from None
-            _wait_readable(self.fd, deadline)
+            _wait(self.fd, deadline)
             chunk = os.read(self.fd, 1 << 16)
             if not chunk:
                 raise Closed("pipe closed")
@@ -116,12 +123,12 @@ class LineReader:
                 line, self.buffer = self.buffer[:end], self.buffer[end + 1:]
                 try:
                     return json.loads(line)
-                except ValueError:
+                except (ValueError, RecursionError):  # RecursionError: nested too deep, e.g. [[[[...]]]]
                     continue
             if len(self.buffer) > self.limit:
                 self.buffer = b""
                 raise Closed(f"a message longer than {self.limit} bytes")
-            _wait_readable(self.fd, deadline)
+            _wait(self.fd, deadline)
             chunk = os.read(self.fd, 1 << 16)
             if not chunk:
                 raise Closed("pipe closed")

@@ -21,12 +21,15 @@ import traceback
 from typing import Any, Optional
 
 from . import codec, frames, layers
-from .child import _close_other_fds, _move_fds, describe
+from .child import _close_other_fds, _move_fds, clean_text, describe
 
 __all__ = ["judge_main"]
 
-# Names a program may not shadow in the tests' namespace.
-_RESERVED = set(dir(builtins)) | {"candidate"}
+# Names a program may not shadow in the tests' namespace (nor any dunder name, e.g. __builtins__).
+_RESERVED = set(dir(builtins)) | {"candidate", "__builtins__"}
+# Exceptions a call may not raise into a test as themselves: a StopIteration from the program
+# would end the test's generator or loop early, and a test of all(...) over it would pass (PEP 479).
+_AS_RUNTIME_ERROR = (StopIteration, StopAsyncIteration)
 
 
 class _TestTimeout(BaseException):
@@ -115,7 +118,7 @@ def _program_error(error: Any, call: str) -> Exception:
     name, text = (error + ["", ""])[:2] if isinstance(error, list) else ("Error", str(error))
     kind = getattr(builtins, str(name), None)
     message = f"{call} raised {text}"
-    if isinstance(kind, type) and issubclass(kind, Exception) and kind is not _TestTimeout:
+    if isinstance(kind, type) and issubclass(kind, Exception) and not issubclass(kind, _AS_RUNTIME_ERROR):
         try:
             return kind(message)
         except Exception:
@@ -130,17 +133,26 @@ def _stub(program: _Program, name: str):
     return call
 
 
-def _namespace(program: _Program, hello: dict[str, Any]) -> dict[str, Any]:
+def _namespace(program: _Program, hello: dict[str, Any], exports: Optional[list[str]]) -> dict[str, Any]:
+    """The program's names the tests see: those it reported (or only ``exports`` of them, when
+    given), functions as stubs, values rebuilt from data."""
     names = hello.get("names") or {}
+    allowed = set(exports) if exports is not None else None
+
+    def usable(name: Any) -> bool:
+        return (isinstance(name, str) and name.isidentifier() and name not in _RESERVED and not name.startswith("__")
+                and (allowed is None or name in allowed))
     out: dict[str, Any] = {}
-    for name, data in (names.get("values") or {}).items():
-        if isinstance(name, str) and name.isidentifier() and name not in _RESERVED:
+    values = names.get("values")
+    for name, data in (values.items() if isinstance(values, dict) else ()):
+        if usable(name):
             try:
                 out[name] = codec.decode(data)
             except (ValueError, TypeError, RecursionError):
                 pass
-    for name in names.get("functions") or []:
-        if isinstance(name, str) and name.isidentifier() and name not in _RESERVED:
+    functions = names.get("functions")
+    for name in (functions if isinstance(functions, list) else ()):
+        if usable(name):
             out[name] = _stub(program, name)
     return out
 
@@ -165,6 +177,8 @@ def _failure_message(exc: BaseException, source: str, program: _Program) -> str:
 
 
 def _run_one(program: _Program, base: dict[str, Any], setup: str, test: str, timeout_s: float) -> tuple[str, str]:
+    """One test. ``setup`` (trusted) runs first, after the program's names are in place, so what it
+    defines (e.g. a task's own helper functions) replaces anything of the program's of that name."""
     program.deadline = time.monotonic() + timeout_s
     program.last_call = ""
     namespace = {"__name__": "__test__", "__builtins__": builtins, **base}
@@ -186,37 +200,51 @@ def _run_one(program: _Program, base: dict[str, Any], setup: str, test: str, tim
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def judge_main(z, tests: list[str], setup: str, control: int, report: int, max_timeouts: int) -> None:
+def judge_main(z, tests: list[str], setup: str, exports: Optional[list[str]], control: int, report: int,
+               max_timeouts: int, check_s: float) -> None:
     """J: spawn the program, run every test, report each result (``{"i", "status", "message"}``)
-    on ``report`` as soon as it is known, then ``{"done": true}``."""
+    on ``report`` as soon as it is known, then ``{"done": true}``. Loading and all tests together
+    get ``check_s`` seconds: a test has ``timeout_s`` or what is left of them."""
+    start = time.monotonic()
+    layers.confine_reads(z)
     null = os.open(os.devnull, os.O_RDWR)
     _move_fds({null: 0, control: 3, report: 4})
     os.dup2(0, 1)
     os.dup2(0, 2)
     _close_other_fds({3, 4})
     control, report = 3, 4
-    layers.restrict(z, "judge", None, z.limits["timeout_s"] * (len(tests) + 2), max(z.limits["memory_mb"], 512))
-    signal.signal(signal.SIGALRM, _on_alarm)
     timeout_s = float(z.limits["timeout_s"])
+    layers.restrict(z, "judge", None, check_s + 2 * timeout_s, max(z.limits["memory_mb"], 512))
+    signal.signal(signal.SIGALRM, _on_alarm)
+    end = start + check_s
     program = _Program(socket.socket(fileno=control), int(z.limits["max_output_bytes"]))
     base: Optional[dict[str, Any]] = None
     timeouts, load_failure = 0, None
     for i, test in enumerate(tests):
-        if load_failure is None and base is None and timeouts < max_timeouts:
-            base, *failure = _load(program, timeout_s)
-            load_failure = tuple(failure) if base is None else None  # loading again would fail again
+        left = end - time.monotonic()
+        if load_failure is None and base is None and timeouts < max_timeouts and left > 0:
+            base, *failure = _load(program, min(timeout_s, left), exports)
+            left = end - time.monotonic()
+            if base is not None:
+                load_failure = None
+            elif failure[0] == "timeout" and left <= 0:
+                load_failure = ("timeout", f"not run: the check's {check_s:g} s were used up (loading the program)")
+            else:
+                load_failure = tuple(failure)  # loading again would fail again
         if load_failure is not None:
             status, message = load_failure
         elif timeouts >= max_timeouts:
             status, message = "timeout", f"not run: {timeouts} tests already timed out"
+        elif left <= 0 or base is None:
+            status, message = "timeout", f"not run: the check's {check_s:g} s were used up"
         else:
-            status, message = _run_one(program, base, setup, test, timeout_s)
+            status, message = _run_one(program, base, setup, test, min(timeout_s, left))
             if status == "timeout":
                 timeouts += 1
                 program.close()  # the init kills it when the next one is spawned
             if not _alive(program):
                 base = None
-        frames.write_frame(report, {"i": i, "status": status, "message": message})
+        frames.write_frame(report, {"i": i, "status": status, "message": clean_text(message)})
     frames.write_frame(report, {"done": True})
     os._exit(0)
 
@@ -225,7 +253,8 @@ def _alive(program: _Program) -> bool:
     return program.req_w is not None
 
 
-def _load(program: _Program, timeout_s: float) -> tuple[Optional[dict[str, Any]], str, str]:
+def _load(program: _Program, timeout_s: float,
+          exports: Optional[list[str]]) -> tuple[Optional[dict[str, Any]], str, str]:
     try:
         hello = program.spawn(time.monotonic() + timeout_s)
     except frames.Timeout:
@@ -236,5 +265,5 @@ def _load(program: _Program, timeout_s: float) -> tuple[Optional[dict[str, Any]]
         return None, "error", f"the program exited or was killed while loading ({describe(exc)})"
     if "load_error" in hello:
         program.close()
-        return None, "error", f"the program failed to load: {hello['load_error']}"
-    return _namespace(program, hello), "", ""
+        return None, "error", f"the program failed to load: {str(hello['load_error'])[:500]}"
+    return _namespace(program, hello, exports), "", ""

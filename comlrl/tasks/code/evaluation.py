@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from ...sandbox import Sandbox
 from .data import tests_for
-from .program import joint_program
+from .program import check_item, joint_program
 from .prompts import HELPER_NAME
 
 __all__ = ["pass_at_k", "CodeEvalLogger", "code_eval_logger", "pass_at_k_aggregator"]
@@ -41,8 +41,9 @@ class CodeEvalLogger:
             tests = tests_for(row)
             for t, main in enumerate(agent_completions_turns[-1][i]):
                 helper = agent_completions_turns[0][i][t] if agents > 1 else ""
-                jobs.append((joint_program(str(row["prompt"]), str(row["entry_point"]), main, helper,
-                                           self.helper_name), tests))
+                prompt, entry = str(row["prompt"]), str(row["entry_point"])
+                jobs.append(check_item(joint_program(prompt, entry, main, helper, self.helper_name), tests, prompt,
+                                       entry, self.helper_name))
                 where.append((i, t))
         records: list[dict[str, Any]] = [{"task_id": str(row.get("task_id", i))} for i, row in enumerate(batch_items)]
         for (i, t), report in zip(where, self.sandbox.check_many(jobs)):

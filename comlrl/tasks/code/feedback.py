@@ -6,7 +6,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from ...sandbox import Sandbox
 from .data import tests_for
-from .program import joint_program, structure
+from .program import check_item, joint_program, structure
 from .prompts import HELPER_NAME
 
 __all__ = ["TestFeedback", "test_feedback_transition"]
@@ -36,7 +36,7 @@ class TestFeedback:
         helper = agent_completions[0] if num_agents > 1 else ""
         program = joint_program(prompt, entry, main, helper, self.helper_name)
         shape = structure(helper, main, entry, program, self.helper_name)
-        report = self.sandbox.check(program, tests_for(batch_item))
+        report = self.sandbox.check(*check_item(program, tests_for(batch_item), prompt, entry, self.helper_name))
         lines = [f"- {entry} defined and returning: {_mark(shape.main_defined)}",
                  f"- the program parses: {_mark(shape.parses)}",
                  f"- tests passed: {report.passed}/{report.total}"]

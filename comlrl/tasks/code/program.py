@@ -9,9 +9,20 @@ import textwrap
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["extract_function", "extract_imports", "prompt_context", "joint_program", "Structure", "structure"]
+__all__ = ["extract_function", "extract_imports", "prompt_context", "joint_program", "check_item", "Structure",
+           "structure"]
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.S)
+
+
+def _parse(text: str) -> Optional[ast.Module]:
+    """``text``'s syntax tree, or None when it does not parse. Not only SyntaxError: a deeply
+    nested expression raises RecursionError, a deep lambda MemoryError, a NUL byte ValueError;
+    none of them may reach the trainer."""
+    try:
+        return ast.parse(text)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
 
 
 def _code_text(completion: str) -> str:
@@ -43,23 +54,20 @@ def extract_function(completion: str, name: str) -> Optional[str]:
     start = re.compile(rf"^\s*(?:async\s+)?def\s+{re.escape(name)}\s*\(")
     found = None
     for block in _blocks(_code_text(completion), start):
-        try:
-            tree = ast.parse(block)
-        except SyntaxError:
-            continue
-        if tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
+        tree = _parse(block)
+        if tree is not None and tree.body and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
             found = block
     return found
 
 
 def extract_imports(text: str) -> list[str]:
-    """Top-level ``import``/``from ... import`` lines of ``text`` that parse, in order, once each."""
+    """Top-level import lines of ``text``, in order, once each: lines that are one ``import`` or
+    ``from ... import`` statement and nothing else (``import math; poly = ...`` is not kept)."""
     out = []
     for line in _code_text(text).splitlines():
         if re.match(r"^(import|from)\s+\w", line):
-            try:
-                ast.parse(line)
-            except SyntaxError:
+            tree = _parse(line)
+            if tree is None or len(tree.body) != 1 or not isinstance(tree.body[0], (ast.Import, ast.ImportFrom)):
                 continue
             if line not in out:
                 out.append(line)
@@ -68,11 +76,11 @@ def extract_imports(text: str) -> list[str]:
 
 def prompt_context(prompt: str, entry_point: str) -> str:
     """What a HumanEval prompt defines before the function to write: its imports and complete
-    helper functions (e.g. ``poly`` for ``find_zero``), which the tests may call."""
+    helper functions (e.g. ``poly`` for ``find_zero``), which the tests may call. Part of the
+    program (its functions may call them) and, trusted, the tests' ``setup`` (:func:`check_item`)."""
     head = re.split(rf"^def\s+{re.escape(entry_point)}\s*\(", prompt, maxsplit=1, flags=re.M)[0]
-    try:
-        tree = ast.parse(head)
-    except SyntaxError:
+    tree = _parse(head)
+    if tree is None:
         return "\n".join(extract_imports(prompt)) + "\n"
     keep = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))]
     return "".join(ast.get_source_segment(head, n) + "\n\n" for n in keep)
@@ -93,6 +101,15 @@ def joint_program(prompt: str, entry_point: str, main: str, helper: str = "", he
     return "".join(parts)
 
 
+def check_item(program: str, tests: list[str], prompt: str, entry_point: str, helper_name: str = "aux") -> tuple:
+    """``(program, tests, setup, exports)`` for :meth:`comlrl.sandbox.Sandbox.check_many`. The
+    tests see only the program's ``entry_point`` and helper; the prompt's own helper functions
+    (``poly``, ``encode_cyclic``, ...), which tests call to check an answer, are defined in the judge
+    from the prompt (``setup``), so the program cannot replace them (a helper rebinding ``poly``
+    to ``lambda xs, x: 0.0`` passes HumanEval/32's tests otherwise)."""
+    return program, tests, prompt_context(prompt, entry_point), (entry_point, helper_name)
+
+
 @dataclass(frozen=True)
 class Structure:
     """What the code-collaboration reward credits before running anything."""
@@ -106,9 +123,10 @@ class Structure:
 
 
 def _function_node(source: Optional[str]) -> Optional[ast.FunctionDef]:
-    if not source:
+    tree = _parse(source) if source else None
+    if tree is None or not tree.body:
         return None
-    node = ast.parse(source).body[0]
+    node = tree.body[0]
     return node if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
 
 
@@ -147,11 +165,7 @@ def structure(helper: str, main: str, entry_point: str, program: str, helper_nam
     """The structure checks of a joint answer (see :class:`Structure`)."""
     helper_node = _function_node(extract_function(helper, helper_name)) if helper else None
     main_node = _function_node(extract_function(main, entry_point))
-    try:
-        ast.parse(program)
-        parses = True
-    except SyntaxError:
-        parses = False
+    parses = _parse(program) is not None
     calls = [n for n in _own_nodes(main_node) if _is_call_to(n, helper_name)] if main_node else []
     discarded = [n for n in _own_nodes(main_node) if isinstance(n, ast.Expr) and _is_call_to(n.value, helper_name)] \
         if main_node else []

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from ...sandbox import Sandbox, TestReport
 from .data import tests_for
-from .program import Structure, joint_program, structure
+from .program import Structure, check_item, joint_program, structure
 from .prompts import HELPER_NAME
 
 __all__ = ["CollabLevels", "code_collab_reward", "pass_rate_reward", "CodeCollabReward", "PassRateReward",
@@ -101,7 +101,8 @@ class CodeCollabReward:
         shapes = [structure(h, m, entry, p, self.helper_name) for h, m, p in zip(completions1, completions2, programs)]
         tests = tests_for(row)
         runnable = [i for i, s in enumerate(shapes) if s.main_defined and s.parses]
-        reports = dict(zip(runnable, self.sandbox.check_many([(programs[i], tests) for i in runnable])))
+        items = [check_item(programs[i], tests, prompt, entry, self.helper_name) for i in runnable]
+        reports = dict(zip(runnable, self.sandbox.check_many(items)))
         levels = CollabLevels(**dict(self.levels))
         return [score_collab(s, reports.get(i), levels) for i, s in enumerate(shapes)]
 
@@ -121,10 +122,11 @@ class PassRateReward:
                              f"{len(completions)} completion lists.")
         mains = completions[-1]
         helpers = completions[0] if len(completions) == 2 else [""] * len(mains)
-        programs = [joint_program(str(row["prompt"]), str(row["entry_point"]), m, h, self.helper_name)
-                    for h, m in zip(helpers, mains)]
+        prompt, entry = str(row["prompt"]), str(row["entry_point"])
+        programs = [joint_program(prompt, entry, m, h, self.helper_name) for h, m in zip(helpers, mains)]
         tests = tests_for(row)
-        return [r.fraction for r in self.sandbox.check_many([(p, tests) for p in programs])]
+        return [r.fraction for r in self.sandbox.check_many([check_item(p, tests, prompt, entry, self.helper_name)
+                                                               for p in programs])]
 
 
 def code_collab_reward(sandbox: Optional[Sandbox] = None, *, levels: Optional[CollabLevels] = None,
