@@ -177,7 +177,8 @@ def test_only_the_documented_fields_may_change_on_resume():
     assert RESUMABLE_FIELDS == {"num_train_epochs", "logging_steps", "output_dir", "agent_devices", "parallel_training",
                                 "reference_devices", "eval_interval", "eval_num_samples", "eval_batch_size",
                                 "vllm_gpu_memory_utilization", "vllm_engine_kwargs", "report_to", "tensorboard_dir",
-                                "mlflow_tracking_uri", "mlflow_experiment_name", "mlflow_run_name", "tracker_failure"}
+                                "mlflow_tracking_uri", "mlflow_experiment_name", "mlflow_run_name", "tracker_failure",
+                                "sharding", "sharding_group_size"}
 
 
 def test_round_trip_through_dict():

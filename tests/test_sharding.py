@@ -5,7 +5,6 @@ on resume (2 -> 1, 1 -> 2), checkpoints whose folders from_pretrained loads, cle
 import json
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -78,7 +77,6 @@ def test_a_sharded_checkpoint_is_an_ordinary_one(runs, tmp_path):
 
     checkpoint = runs / "two" / "ckpt" / "checkpoint-2"
     weights = final(runs / "two")
-    ids = torch.tensor([[5, 9, 2, 7]])
     for source in (checkpoint / "agent-1", runs / "two" / "saved" / "agent_1"):
         model = AutoModelForCausalLM.from_pretrained(source)
         assert all(torch.equal(p, weights[f"agent-1.{n}"]) for n, p in model.named_parameters())
