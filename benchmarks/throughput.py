@@ -83,9 +83,10 @@ def run_ours(argv: list[str]) -> None:
         common = dict(num_turns=1, num_train_epochs=args.epochs, num_generations=k,
                       max_new_tokens=args.max_new_tokens, agent_learning_rate=args.lr,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                      logging_steps=1, agent_devices=args.device, advantage_normalization=False, eval_interval=0,
-                      output_dir=str(ckpt))
+                      logging_steps=1, agent_devices=args.device, advantage_normalization=args.advantage_normalization,
+                      eval_interval=0, output_dir=str(ckpt))
         dtype = model_dtype(args)
+        built_start = time.perf_counter()
         inputs = dict(agents=[AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype) for _ in range(2)],
                       tokenizer=AutoTokenizer.from_pretrained(args.model_dir), reward_func=reward,
                       train_dataset=[{"prompt": p} for p in prompts])
@@ -110,7 +111,9 @@ def run_ours(argv: list[str]) -> None:
         elif args.trainer == "maac":
             trainer = MAACTrainer(critic_model=args.model_dir, args=MAACConfig(**common, **ac), **inputs)
         else:
-            trainer = MAGRPOTrainer(args=MAGRPOConfig(**common, rollout_buffer_size=1), **inputs)
+            trainer = MAGRPOTrainer(args=MAGRPOConfig(**common, rollout_buffer_size=args.rollout_buffer_size,
+                                                      train_batch_size=args.train_batch_size), **inputs)
+        built_s = time.perf_counter() - built_start
         start = time.perf_counter()
         if args.checkpoint:
             trainer.train(checkpoint_dir=ckpt, checkpoint_interval=1)
@@ -138,6 +141,7 @@ def run_ours(argv: list[str]) -> None:
         "generated_tokens_per_s": tokens / elapsed,
         "phase_seconds_per_epoch": {key: value / args.epochs for key, value in sorted(phases.items())},
         "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(), "checkpoint_dir_entries": saved,
+        "construction_s": built_s,
         "device": str(next(trainer.agents[0].parameters()).device), "dtype": args.dtype,
     })
 

@@ -12,6 +12,13 @@ TEST_SETTINGS = dict(num_turns=1, num_generations=4, logging_steps=1, eval_inter
                      weight_decay=0.0, max_grad_norm=1.0, shuffle=True, early_termination_threshold=None)
 
 
+def never_stepped(optimizer) -> bool:
+    """True when an AdamW has not applied a step: its state (allocated when the trainer was
+    built) still holds step 0 and zero moments."""
+    return all(float(st["step"]) == 0 and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
+               for st in optimizer.state.values())
+
+
 def state_of(trainer):
     """Every parameter and optimizer tensor of every trained module, by name."""
     import torch

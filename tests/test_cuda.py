@@ -181,6 +181,25 @@ def test_torchrun_nccl_two_gpus_match_one_process(tmp_path):
     assert_rows_close(rows(tmp_path / "one" / "ckpt"), rows(tmp_path / "two" / "ckpt"))
 
 
+@needs_two_gpus
+def test_fsdp2_over_nccl_matches_one_unsharded_process(tmp_path):
+    """sharding="fsdp2" on 2 GPUs (NCCL): the run of one unsharded GPU process within float
+    tolerance, each GPU holding half of each agent, and the checkpoint resumes on one process."""
+    from safetensors.torch import load_file
+
+    run_worker(tmp_path / "one", "--devices", "cuda:0")
+    run_worker(tmp_path / "two", "--devices", "auto", "--sharding", "fsdp2", procs=2)
+    record = json.loads((tmp_path / "two" / "rank0.json").read_text())
+    assert all(0.4 <= f <= 0.6 for f in record["params_fraction"] + record["moments_fraction"])
+    one = load_file(str(tmp_path / "one" / "final-rank0.safetensors"))
+    two = load_file(str(tmp_path / "two" / "final-rank0.safetensors"))
+    for key in (k for k in one if ".opt." not in k):
+        torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=1e-4, msg=key)
+    assert_rows_close(rows(tmp_path / "one" / "ckpt"), rows(tmp_path / "two" / "ckpt"))
+    run_worker(tmp_path / "two", "--devices", "cuda:0", "--epochs", "3", "--resume",
+               str(tmp_path / "two" / "ckpt" / "checkpoint-2"))
+
+
 # ------------------------------------------------------------------------------------------------
 # the lean decoder on CUDA (tests/test_fast_decode.py holds the CPU versions)
 # ------------------------------------------------------------------------------------------------

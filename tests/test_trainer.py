@@ -9,7 +9,7 @@ from comlrl import ConfigError, DataError, MAGRPOConfig, MAGRPOTrainer, RewardEr
 from comlrl.engine.prompts import render_prompt
 from comlrl.testing import build_tiny_tokenizer, tiny_model_dir
 
-from helpers import SEED_PROMPTS, TEST_SETTINGS, length_ratio_reward, play
+from helpers import SEED_PROMPTS, TEST_SETTINGS, assert_bit_exact, length_ratio_reward, never_stepped, play, state_of
 
 
 def config(**overrides):
@@ -325,8 +325,20 @@ def test_bad_rewards_stop_training_before_any_update(make_trainer, bad_reward, w
     with pytest.raises(RewardError, match=words):
         trainer.train()
     assert all(torch.equal(before[i][n], p) for i, m in enumerate(trainer.agents) for n, p in m.named_parameters())
-    assert all(not opt.state for opt in trainer.optimizers)
+    assert all(never_stepped(opt) for opt in trainer.optimizers)
     assert trainer.state.global_step == 0
+
+
+def test_adam_state_allocated_up_front_trains_as_torchs_lazy_state(make_trainer):
+    """The AdamW state is created when the trainer is built (comlrl.engine.step.allocate_adam_state)
+    exactly as torch creates it at the first step: the same weights and moments, bit for bit."""
+    eager, lazy = make_trainer(), make_trainer()
+    assert all(len(opt.state) == sum(1 for g in opt.param_groups for p in g["params"]) for opt in eager.optimizers)
+    for opt in lazy.optimizers:
+        opt.state.clear()  # torch's own lazy initialisation at the first step
+    eager.train()
+    lazy.train()
+    assert_bit_exact(state_of(eager), state_of(lazy))
 
 
 def test_device_must_exist(make_trainer):

@@ -35,7 +35,8 @@ def main() -> None:
     common = dict(num_train_epochs=args.epochs, agent_learning_rate=args.lr, num_agents=2, agent_devices=args.device,
                   num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_turns=1, eval_interval=0,
-                  advantage_normalization=False, logging_steps=1)
+                  advantage_normalization=args.advantage_normalization, logging_steps=1)
+    built_start = time.perf_counter()
     agents = [AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=model_dtype(args)) for _ in range(2)]
     dataset = Dataset.from_dict({"prompt": prompts})
     if args.trainer in ("madpo", "marlhf"):
@@ -59,7 +60,8 @@ def main() -> None:
     elif args.trainer == "magrpo":
         from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
-        config = MAGRPOConfig(**common, rollout_buffer_size=1, train_batch_size=1, advantage_mode="mean")
+        config = MAGRPOConfig(**common, rollout_buffer_size=args.rollout_buffer_size,
+                              train_batch_size=args.train_batch_size or args.rollout_buffer_size, advantage_mode="mean")
         trainer = MAGRPOTrainer(agents=agents, tokenizer=tokenizer, reward_func=reward, args=config,
                                 train_dataset=dataset)
     else:
@@ -76,6 +78,7 @@ def main() -> None:
             trainer = MAACTrainer(agents=agents, critic_model=args.model_dir, tokenizer=tokenizer,
                                   reward_func=reward, args=MAACConfig(**common, **sizes), train_dataset=dataset)
     assert all(p.device.type == args.device.split(":")[0] for m in trainer.agents for p in m.parameters())
+    built_s = time.perf_counter() - built_start
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         if args.checkpoint:
@@ -91,7 +94,7 @@ def main() -> None:
         "env_steps": trainer.env_step, "env_steps_per_s": trainer.env_step / elapsed,
         "generated_tokens_per_s": None,  # not exposed by its API
         "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(), "checkpoint_dir_entries": saved,
-        "device": args.device, "dtype": args.dtype,
+        "device": args.device, "dtype": args.dtype, "construction_s": built_s,
     })
 
 

