@@ -46,7 +46,7 @@ class TestFeedback:
             return [self._prompt(prompt, entry, main, None, lines, f"def {entry}(...)")]
         lines.insert(0, f"- {self.helper_name} defined and returning: {_mark(shape.helper_defined)}")
         lines.append(f"- {entry} calls {self.helper_name}: {_mark(shape.calls_helper)}"
-                     + ("" if shape.uses_result else f" (but ignores its result)"))
+                     + ("" if shape.uses_result else " (but ignores its result)"))
         return [self._prompt(prompt, entry, helper, main, lines, f"def {self.helper_name}(...)"),
                 self._prompt(prompt, entry, main, helper, lines, f"def {entry}(...)")] + \
             [self._prompt(prompt, entry, main, helper, lines, f"def {entry}(...)")] * (num_agents - 2)
