@@ -238,7 +238,8 @@ def test_a_reward_that_fills_a_cache_still_resumes(make_trainer, run):
 
 # --- 4. train() called again after an interruption ---------------------------------------------------
 
-def test_train_again_after_an_exception_equals_an_uninterrupted_run(make_trainer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("call", [7, 8], ids=["before-agent-0", "between-agents"])
+def test_train_again_after_an_exception_equals_an_uninterrupted_run(make_trainer, tmp_path, monkeypatch, call):
     import comlrl.engine.trainer as magrpo
 
     settings = dict(num_train_epochs=2, rollout_buffer_size=2, train_batch_size=1)
@@ -249,7 +250,9 @@ def test_train_again_after_an_exception_equals_an_uninterrupted_run(make_trainer
 
     def interrupted(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 4:  # the second optimizer step of the second buffer: half a buffer done
+        # One call per agent and optimizer step: calls 7 and 8 are agents 0 and 1 of the second
+        # step of the second buffer (half a buffer done; with call 8, half an optimizer step too).
+        if len(calls) == call:
             raise KeyboardInterrupt
         return apply(*args, **kwargs)
 
@@ -282,7 +285,7 @@ def test_huge_rewards_stop_at_once_or_skip_when_asked(make_trainer, tmp_path):
     with pytest.raises(RewardError, match="float32 range"):
         make_trainer(reward_func=lambda a, b: [1e39] * len(a)).train()
     huge = make_trainer(num_train_epochs=1, reward_func=lambda a, b: [float(len(x)) * 1e36 for x in a])
-    with pytest.raises(TrainingError, match="gradient of model 0 is not finite"):
+    with pytest.raises(TrainingError, match="gradient of agent 0 is not finite"):
         huge.train()
     assert huge.state.global_step == 0 and all(never_stepped(o) for o in huge.optimizers)
     skipping = make_trainer(num_train_epochs=1, nonfinite="skip", output_dir=str(tmp_path / "skip"),
@@ -290,6 +293,31 @@ def test_huge_rewards_stop_at_once_or_skip_when_asked(make_trainer, tmp_path):
     skipping.train()
     logged = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r.get("train/skipped_steps", 0) for r in logged) == 4 and skipping.state.global_step == 0
+    assert all(sum(r.get(f"agent_{a}/skipped_steps", 0) for r in logged) == 4 for a in range(2))
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_one_agent_non_finite_gradient_is_that_agents_alone(make_trainer, tmp_path, nonfinite):
+    """Agent 1's gradient is infinite at every step: 'raise' names it and says agent 0 of the step
+    was updated; 'skip' drops agent 1's updates only, and agent 0 trains."""
+    trainer = make_trainer(num_train_epochs=1, nonfinite=nonfinite, output_dir=str(tmp_path / nonfinite))
+    before = state_of(trainer)
+    next(trainer.agents[1].parameters()).register_hook(lambda g: g * float("inf"))
+    if nonfinite == "raise":
+        with pytest.raises(TrainingError, match=r"gradient of agent 1 is not finite.*already updated agent 0"):
+            trainer.train()
+        assert trainer.state.global_step == 0 and not never_stepped(trainer.optimizers[0])
+        assert never_stepped(trainer.optimizers[1])
+        return
+    trainer.train()
+    logged = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("agent_1/skipped_steps", 0) for r in logged) == 4
+    assert not any("agent_0/skipped_steps" in r or "train/skipped_steps" in r for r in logged)
+    assert trainer.state.global_step == 4 and never_stepped(trainer.optimizers[1])
+    after = state_of(trainer)
+    assert all(torch.equal(after[k], before[k]) for k in after if k.startswith("agent-1."))
+    assert not never_stepped(trainer.optimizers[0]) and float(trainer.optimizers[0].state_dict()["state"][0]["step"]) == 4
+    assert not torch.equal(after["agent-0.param.model.embed_tokens.weight"], before["agent-0.param.model.embed_tokens.weight"])
 
 
 # --- 6. a failed write ---------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def _gradients_of_first_step(trainer, monkeypatch):
     apply = magrpo.apply_gradients
 
     def spy(models, *args, **kwargs):
-        if not captured:
+        if len(captured) < len(trainer.agents):  # the first step's calls: one per agent, in order
             captured.extend({n: p.grad.clone() for n, p in m.named_parameters()} for m in models)
         return apply(models, *args, **kwargs)
 
@@ -104,6 +104,39 @@ def test_micro_batches_give_the_gradient_of_the_whole_step(make_trainer, tmp_pat
     for agent_a, agent_b in zip(ga, gb):
         for n in agent_a:
             torch.testing.assert_close(agent_a[n], agent_b[n], atol=1e-6, rtol=1e-4)
+
+
+def test_agents_updated_one_after_another_equal_all_updated_together(make_trainer, tmp_path, monkeypatch):
+    """Each agent's update is applied, and its gradients freed, before the next agent's backward;
+    the weights are those of one optimizer step over every agent at once, bit for bit."""
+    from comlrl.trainers.reinforce.magrpo import MAGRPOTrainer
+
+    settings = dict(num_train_epochs=2, rollout_buffer_size=2, train_batch_size=1, micro_batch_size=1)
+    in_turn = make_trainer(output_dir=str(tmp_path / "turn"), **settings)
+    held = []  # parameters of other agents holding a gradient during each agent's backward
+
+    def hook(agent):
+        def check(grad):
+            held.append(sum(p.grad is not None for b, m in enumerate(in_turn.agents) if b != agent
+                            for p in m.parameters()))
+        return check
+
+    for a, model in enumerate(in_turn.agents):  # fires during the agent's backward
+        model.get_input_embeddings().weight.register_hook(hook(a))
+    in_turn.train()
+    assert held and not any(held)
+
+    def together(self, buffer, groups):  # the order before: every backward, then every step
+        outs = [self.agent_backward(buffer, a, groups) for a in range(len(self.agents))]
+        metrics, norms = self.step_modules(self.agents, self.optimizers, self.schedulers)
+        assert norms is not None and all(o is not None for o in outs)
+        return metrics
+
+    monkeypatch.setattr(MAGRPOTrainer, "optimizer_step", together)
+    at_once = make_trainer(output_dir=str(tmp_path / "once"), **settings)
+    at_once.train()
+    assert at_once.state.global_step == in_turn.state.global_step == 8
+    assert_bit_exact(state_of(in_turn), state_of(at_once))
 
 
 def test_a_buffer_of_several_steps(make_trainer, tmp_path):

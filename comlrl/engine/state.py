@@ -62,7 +62,10 @@ class PlayedBuffer:
     its steps need in ``data``; ``record`` is what the episode metrics need
     (:func:`comlrl.engine.metrics.record_turns`). ``steps`` holds, for each optimizer step of one
     pass over the buffer, its prompts (positions in this process's share, as ``groups`` of
-    ``optimizer_step``); ``steps_done`` counts steps over every pass."""
+    ``optimizer_step``); ``steps_done`` counts steps over every pass. ``step_parts`` holds what
+    the current optimizer step has finished when it updates modules one after another (e.g. each
+    agent's applied update and its metrics), so that train() called again after an interruption
+    redoes only the unfinished parts; emptied when the step completes."""
 
     turns: list[Any]
     record: dict[str, Any]
@@ -73,3 +76,4 @@ class PlayedBuffer:
     steps_done: int = 0
     step_metrics: list[dict[str, float]] = field(default_factory=list)
     steps: list[range] = field(default_factory=list)
+    step_parts: dict[Any, Any] = field(default_factory=dict)

@@ -278,14 +278,18 @@ def _total_norm(grads: Sequence[torch.Tensor]) -> float:
 
 def apply_gradients(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                     schedulers: Sequence, max_grad_norm: Optional[float], ctx: dist.DistContext,
-                    nonfinite: str, where: str) -> Optional[list[float]]:
+                    nonfinite: str, where: str, names: Optional[Sequence[str]] = None,
+                    applied: Sequence[str] = ()) -> Optional[list[float]]:
     """Sum gradients over processes, check them, then clip, step and zero every model.
+
+    ``names`` name the models in an error (default ``model i``); ``applied`` names what the same
+    optimizer step already updated before these models (said in the error).
 
     Returns the pre-clip gradient norms, or None if the step was skipped (``nonfinite="skip"``
     and some gradient was not finite: every gradient is discarded, no weight changes).
 
     Raises:
-        TrainingError: a gradient is not finite and ``nonfinite="raise"``; nothing was applied.
+        TrainingError: a gradient is not finite and ``nonfinite="raise"``; none of ``models`` was updated.
     """
     norms = []
     for model in models:
@@ -298,9 +302,12 @@ def apply_gradients(models: Sequence[torch.nn.Module], optimizers: Sequence[torc
             opt.zero_grad(set_to_none=True)
         if nonfinite == "skip":
             return None
-        raise TrainingError(f"{where}: the gradient of model {bad[0]} is not finite (norm {norms[bad[0]]}); nothing "
-                            "was applied and nothing non-finite was saved. Lower the learning rate or check the "
-                            "rewards, or set nonfinite='skip' to drop such steps.")
+        name = names[bad[0]] if names else f"model {bad[0]}"
+        done = (f" (this step had already updated {', '.join(applied)}: resume from the last checkpoint to redo it "
+                "whole)") if applied else ""
+        raise TrainingError(f"{where}: the gradient of {name} is not finite (norm {norms[bad[0]]}); it was not "
+                            f"applied and nothing non-finite was saved{done}. Lower the learning rate or check the "
+                            "rewards, or set nonfinite='skip' to drop such updates.")
     for model, opt, sched, norm in zip(models, optimizers, schedulers, norms):
         params = [p for p in model.parameters() if p.grad is not None]
         if max_grad_norm is not None and params:

@@ -400,6 +400,7 @@ class Trainer(Evaluation, Persistence):
             with timer("update"):
                 buffer.step_metrics.append(self.optimizer_step(buffer, buffer.steps[buffer.steps_done % len(chunks)]))
             buffer.steps_done += 1
+            buffer.step_parts = {}
         self._buffer = None
         merged = merge_records([buffer.record] if buffer.turns else [], self.args.num_turns, self.num_agents, self.dist)
         self.state.env_step += sum(len(r) for turn in merged["rewards"] for r in turn)
@@ -407,21 +408,24 @@ class Trainer(Evaluation, Persistence):
         metrics.update(buffer.extra_metrics)
         for key in set().union(*buffer.step_metrics):
             values = [m[key] for m in buffer.step_metrics if key in m]
-            metrics[key] = sum(values) / len(values) if key != "train/skipped_steps" else sum(values)
+            metrics[key] = sum(values) if key.endswith("skipped_steps") else sum(values) / len(values)
         return metrics
 
     def step_modules(self, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                     schedulers: Sequence[Any], count: bool = True) -> tuple[dict[str, float], Optional[list[float]]]:
+                     schedulers: Sequence[Any], count: bool = True, names: Optional[Sequence[str]] = None,
+                     applied: Sequence[str] = ()) -> tuple[dict[str, float], Optional[list[float]]]:
         """The optimizer step of every trained module, once their gradients are in: wait for the
         checkpoint being written, sum gradients over processes, check, clip, step (see
         :func:`comlrl.engine.step.apply_gradients`), refresh the rollout backend's weights.
         Returns the step's metrics and each module's gradient norm (None: the step was skipped).
         ``count=False``: one part of an optimizer step that updates modules one after another (the
-        family then adds 1 to ``state.global_step`` itself)."""
+        family then adds 1 to ``state.global_step`` itself); ``names`` name the modules and
+        ``applied`` the parts this step already updated, in a non-finite gradient's error."""
         learning_rate = schedulers[0].get_last_lr()[0]  # the rate this step is taken with
         self._settle_checkpoint()
         norms = apply_gradients(models, optimizers, schedulers, self.args.max_grad_norm, self.dist,
-                                self.args.nonfinite, f"optimizer step {self.state.global_step + 1}")
+                                self.args.nonfinite, f"optimizer step {self.state.global_step + 1}", names=names,
+                                applied=applied)
         self.backend.mark_stale()
         if norms is None:
             return {"train/learning_rate": learning_rate, "train/skipped_steps": 1.0}, None

@@ -145,14 +145,44 @@ class MAGRPOTrainer(Trainer):
         return self.args.num_update_epochs
 
     def optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
-        """One optimizer step per agent on the prompts ``groups`` (this process's share)."""
-        losses = [self.agent_backward(buffer, a, groups) for a in range(len(self.agents))]
-        totals = dist.all_reduce_sum([v for s in losses for v in self.loss_totals(s)], self.dist)
-        metrics, norms = self.step_modules(self.agents, self.optimizers, self.schedulers)
-        if norms is None:
-            return metrics
+        """One optimizer step on the prompts ``groups`` (this process's share), agent after agent:
+        each agent's backward, then its update, its gradients freed before the next agent's
+        backward, so that the peak memory holds one agent's gradients, not every agent's. The
+        agents' losses are independent (fixed rollouts), so the weights are those of stepping all
+        agents together, bit for bit.
+
+        Each agent's update is checked on its own: a non-finite gradient stops training
+        (``nonfinite="raise"``) or drops that agent's update (``"skip"``, counted in
+        ``agent_i/skipped_steps``; ``train/skipped_steps`` counts steps that updated no agent, which
+        leave ``global_step`` unchanged). Finished agents are kept in ``buffer.step_parts``: train()
+        called again after an interruption updates only those not yet updated."""
+        parts = buffer.step_parts
         for a in range(len(self.agents)):
-            metrics.update(self.agent_metrics(a, totals[5 * a:5 * a + 5], norms[a]))
+            if a not in parts:
+                applied = [f"agent {b}" for b in range(a) if parts[b].get(f"agent_{b}/skipped_steps") is None]
+                parts[a] = self._agent_update(buffer, a, groups, applied)
+        metrics: dict[str, float] = {}
+        for a in reversed(range(len(self.agents))):  # the learning rate logged: agent 0's
+            metrics.update(parts[a])
+        if all(f"agent_{a}/skipped_steps" in parts[a] for a in range(len(self.agents))):
+            metrics["train/skipped_steps"] = 1.0
+        else:
+            self.state.global_step += 1
+        return metrics
+
+    def _agent_update(self, buffer: PlayedBuffer, agent: int, groups: range, applied: list[str],
+                      weights: Optional[torch.Tensor] = None) -> dict[str, float]:
+        """Agent ``agent``'s backward (``weights``: see :meth:`agent_backward`) and update in this
+        optimizer step; ``applied`` names the agents this step already updated. Returns its metrics."""
+        out = self.agent_backward(buffer, agent, groups, weights)
+        totals = dist.all_reduce_sum(list(self.loss_totals(out)), self.dist)
+        metrics, norms = self.step_modules([self.agents[agent]], [self.optimizers[agent]], [self.schedulers[agent]],
+                                           count=False, names=[f"agent {agent}"], applied=applied)
+        if norms is None:
+            metrics.pop("train/skipped_steps", None)
+            metrics[f"agent_{agent}/skipped_steps"] = 1.0
+            return metrics
+        metrics.update(self.agent_metrics(agent, totals, norms[0]))
         return metrics
 
     def agent_backward(self, buffer: PlayedBuffer, agent: int, groups: range,

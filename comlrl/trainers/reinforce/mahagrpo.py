@@ -33,7 +33,6 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ...engine import distributed as dist
 from ...engine.config import check_choice, check_float, config_class, setting
 from ...engine.state import PlayedBuffer
 from ...engine.step import collective_passes, idle_passes, rows_log_probs
@@ -81,28 +80,36 @@ class MAHAGRPOTrainer(MAGRPOTrainer):
         return [int(a) for a in rng.permutation(len(self.agents))]
 
     def optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        weights = None  # [R] M of each row (joint action), None before the first agent
+        """The agents updated in :meth:`update_order`, each with its advantages weighted by the
+        earlier agents' clipped ratios. A non-finite gradient is MAGRPO's per-agent rule. Each
+        finished agent (its update, then its ratio) is kept in ``buffer.step_parts``, so train()
+        called again after an interruption continues with the same order and weights."""
+        parts = buffer.step_parts
         eps = self.args.ppo_clip_eps
-        for position, agent in enumerate(self.update_order()):
-            out = self.agent_backward(buffer, agent, groups, weights)
-            totals = dist.all_reduce_sum(list(self.loss_totals(out)), self.dist)
-            step_metrics, norms = self.step_modules([self.agents[agent]], [self.optimizers[agent]],
-                                                 [self.schedulers[agent]], count=False)
-            metrics.update(step_metrics)
-            if norms is not None:
-                metrics.update(self.agent_metrics(agent, totals, norms[0]))
-            metrics[f"agent_{agent}/update_position"] = float(position)
-            if weights is not None:
-                metrics[f"agent_{agent}/advantage_weight_mean"] = float(weights.mean())
-            if position < len(self.agents) - 1:  # every process (collectives when sharded), rows or not
-                factor = self._clipped_ratio(buffer, agent, groups, eps)
-                if factor is not None:
-                    weights = factor if weights is None else weights * factor
-        if "train/skipped_steps" in metrics and not any(k.endswith("/grad_norm") for k in metrics):
-            return metrics  # every agent's update was skipped (non-finite gradients)
-        metrics.pop("train/skipped_steps", None)
-        self.state.global_step += 1
+        order = self.update_order()
+        weights = None  # [R] M of each row (joint action), None before the first agent
+        for position, agent in enumerate(order):
+            if ("update", position) not in parts:
+                applied = [f"agent {b}" for i, b in enumerate(order[:position])
+                           if f"agent_{b}/skipped_steps" not in parts[("update", i)]]
+                metrics = self._agent_update(buffer, agent, groups, applied, weights)
+                metrics[f"agent_{agent}/update_position"] = float(position)
+                if weights is not None:
+                    metrics[f"agent_{agent}/advantage_weight_mean"] = float(weights.mean())
+                parts[("update", position)] = metrics
+            if position < len(order) - 1:  # every process (collectives when sharded), rows or not
+                if ("weights", position) not in parts:
+                    factor = self._clipped_ratio(buffer, agent, groups, eps)
+                    parts[("weights", position)] = (weights if factor is None else
+                                                    factor if weights is None else weights * factor)
+                weights = parts[("weights", position)]
+        metrics = {}
+        for position in reversed(range(len(order))):  # the learning rate logged: the first agent's
+            metrics.update(parts[("update", position)])
+        if all(f"agent_{a}/skipped_steps" in metrics for a in order):
+            metrics["train/skipped_steps"] = 1.0  # no agent updated: global_step stays
+        else:
+            self.state.global_step += 1
         return metrics
 
     def _clipped_ratio(self, buffer: PlayedBuffer, agent: int, groups: range, eps: float) -> Optional[torch.Tensor]:
