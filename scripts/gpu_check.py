@@ -38,6 +38,7 @@ GROUPS = [
     ("bf16", "bf16 training on CUDA", "test_bf16_"),
     ("agent_devices", "agent_devices: agents on GPUs, checkpoints and resume", "test_agent_devices_"),
     ("torchrun", "torchrun on GPUs (2 processes over NCCL need 2 GPUs)", "test_torchrun_"),
+    ("fsdp2", "FSDP2: sharded agents over NCCL (2 processes need 2 GPUs)", "test_fsdp2_"),
     ("lean_decoder", "lean decoder == transformers on CUDA (logits, sampled tokens, stacked agents, bf16)",
      "test_lean_decoder_"),
     ("vllm", "vLLM rollout backend, the real vLLM on a tiny model", "test_vllm_"),

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-TITLES = ["bf16 training on CUDA", "agent_devices:", "torchrun on GPUs", "lean decoder == transformers on CUDA",
+TITLES = ["bf16 training on CUDA", "agent_devices:", "torchrun on GPUs", "FSDP2: sharded agents", "lean decoder == transformers on CUDA",
           "vLLM rollout backend", "throughput:"]
 
 
@@ -51,20 +51,20 @@ def test_dry_run_reports_every_step(tmp_path):
     assert len(sections) == len(TITLES)
     for number, (section, title) in enumerate(zip(sections, TITLES), 1):
         assert section.startswith(f"[{number}] {title}"), section
-    for section in sections[:5]:  # every CUDA step says why it did not run
+    for section in sections[:6]:  # every CUDA step says why it did not run
         assert section.splitlines()[1].strip() == "skipped: no CUDA", section
         assert re.search(r"\(\d+ test\(s\)\)", section)
-    bench = sections[5]
+    bench = sections[6]
     assert "dry run: tiny model a" in bench
     ours = re.search(r"comlrl \(this tree\)\s+([\d.]+)\s+([\d.]+)\s+(\d+)", bench)
     assert ours and float(ours.group(1)) > 0
     assert bench.count("skipped: dry run installs no peers") == 2
     summary = re.search(r"^gpu_check: (\d+) passed, (\d+) failed, (\d+) skipped$", text, flags=re.M)
-    assert summary and summary.groups() == ("1", "0", "21")
+    assert summary and summary.groups() == ("1", "0", "22")
     data = json.loads(report.with_suffix(".json").read_text())
-    assert data["mode"] == "dry-run" and data["summary"] == {"passed": 1, "failed": 0, "skipped": 21}
-    assert [s["key"] for s in data["sections"]] == ["bf16", "agent_devices", "torchrun", "lean_decoder", "vllm",
-                                                    "throughput"]
+    assert data["mode"] == "dry-run" and data["summary"] == {"passed": 1, "failed": 0, "skipped": 22}
+    assert [s["key"] for s in data["sections"]] == ["bf16", "agent_devices", "torchrun", "fsdp2", "lean_decoder",
+                                                    "vllm", "throughput"]
     assert data["sections"][-1]["runs"]["comlrl (this tree)"]["device"] == "cpu"
     assert (tmp_path / "work" / "logs" / "junit-cuda.xml").is_file()
 
@@ -79,11 +79,13 @@ def test_gpu_report_from_results():
         {"name": "test_agent_devices_gpu_and_cpu", "status": "passed", "seconds": 1.0, "detail": ""},
         {"name": "test_torchrun_nccl_two_gpus_match_one_process", "status": "skipped", "seconds": 0,
          "detail": "needs 2 CUDA devices, this machine has 1"},
+        {"name": "test_fsdp2_over_nccl_matches_one_unsharded_process", "status": "skipped", "seconds": 0,
+         "detail": "needs 2 CUDA devices, this machine has 1"},
         {"name": "test_lean_decoder_sampled_tokens_equal_transformers_on_cuda[qwen2-gqa]", "status": "failed",
          "seconds": 0.5, "detail": "AssertionError: assert False"},
         {"name": "test_something_new", "status": "passed", "seconds": 0.1, "detail": ""},
     ]
-    groups = runner.split_groups(cases, ["bf16", "agent_devices", "torchrun", "lean_decoder"])
+    groups = runner.split_groups(cases, ["bf16", "agent_devices", "torchrun", "fsdp2", "lean_decoder"])
     sections = [runner.group_section(key, title, groups[key]) for key, title, _ in runner.GROUPS[:-1]]
     sections.append(runner.group_section("other", "other CUDA tests", groups["other"]))
     sections.append(runner.group_section("vllm", "vLLM", [], skipped="--skip vllm"))
@@ -100,18 +102,18 @@ def test_gpu_report_from_results():
                   "python": "py", "python_version": "3.12", "torch": "2.11.0", "torch_cuda": "13.0", "nccl": "2.27.7",
                   "gpus": ["NVIDIA H200 (140 GiB)"], "transformers": "5.17.0"}}},
               "sections": sections, "summary": runner.summarize(sections), "report_path": "r", "workdir": "w"}
-    assert report["summary"] == {"passed": 5, "failed": 1, "skipped": 4}
+    assert report["summary"] == {"passed": 5, "failed": 1, "skipped": 5}
     text = runner.render(report)
-    assert [s["status"] for s in sections[:4]] == ["passed", "passed (some skipped)",
-                                                   "skipped: needs 2 CUDA devices, this machine has 1", "failed"]
+    two_gpus = "skipped: needs 2 CUDA devices, this machine has 1"
+    assert [s["status"] for s in sections[:5]] == ["passed", "passed (some skipped)", two_gpus, two_gpus, "failed"]
     assert "    FAIL  test_lean_decoder_sampled_tokens_equal_transformers_on_cuda[qwen2-gqa]: AssertionError" in text
     assert "    PASS  test_bf16_autocast_training_on_cuda (3.2 s)" in text
     assert "    skip  test_agent_devices_two_gpus_sample_concurrently: needs 2 CUDA devices" in text
-    assert "[5] other CUDA tests" in text and "[6] vLLM\n    skipped: --skip vllm" in text
+    assert "[6] other CUDA tests" in text and "[7] vLLM\n    skipped: --skip vllm" in text
     assert re.search(r"comlrl 1\.4\.3\s+6\.000\s+10\.7\s+n/a\s+9000\s+3500\s+3\.00x", text)
     assert "TRL GRPO (1 policy)    skipped: no trl" in text
     assert "torch 2.11.0 (CUDA 13.0, NCCL 2.27.7); NVIDIA H200 (140 GiB)" in text
-    assert text.rstrip().endswith("logs in w)") and "\ngpu_check: 5 passed, 1 failed, 4 skipped\n" in text
+    assert text.rstrip().endswith("logs in w)") and "\ngpu_check: 5 passed, 1 failed, 5 skipped\n" in text
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: the script would install")

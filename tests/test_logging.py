@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -114,4 +115,6 @@ def test_resume_without_identity_continues_the_checkpoints_wandb_run(make_traine
     resumed.train(resume_from_checkpoint=d / "checkpoint-1", checkpoint_dir=d)
     assert read_checkpoint_metadata(d / "checkpoint-2")["wandb"]["id"] == identity["id"]
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(identity["id"]) for r in runs)
+    # wandb names an offline run's folder offline-run-DATE_TIME-ID, adding "-1" when a resume lands in the same second
+    pattern = rf"offline-run-\d{{8}}_\d{{6}}-{re.escape(identity['id'])}(-\d+)?"
+    assert len(runs) == 2 and all(re.fullmatch(pattern, r.name) for r in runs), [r.name for r in runs]
