@@ -43,15 +43,15 @@ def worker(args: argparse.Namespace) -> None:
         args=MAGRPOConfig(num_turns=1, num_train_epochs=args.epochs, num_generations=4, max_new_tokens=16,
                           rollout_buffer_size=2, agent_learning_rate=1e-4, logging_steps=1, sharding=args.sharding,
                           agent_devices=args.device, output_dir=str(Path(args.out) / "out")))
-    stamps = []
-    original = trainer.step_modules
+    stamps = []  # when each optimizer step (every agent updated) ends
+    original = trainer.optimizer_step
 
     def timed(*a, **k):
         result = original(*a, **k)
         stamps.append(time.perf_counter())
         return result
 
-    trainer.step_modules = timed
+    trainer.optimizer_step = timed
     trainer.train()
     params = [p for m in trainer.agents for p in m.parameters()]
     moments = [v for o in trainer.optimizers for st in o.state.values() for k, v in st.items() if k.startswith("exp_avg")]
@@ -67,7 +67,8 @@ def worker(args: argparse.Namespace) -> None:
               "s_per_step": round(sum(steps) / len(steps), 3)}
     if args.device == "cuda":
         record["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
-    print("RESULT " + json.dumps(record), flush=True)
+    # one file per process: their stdout lines would interleave
+    (Path(args.out) / f"result-{record['rank']}.json").write_text(json.dumps(record))
 
 
 def main() -> None:
@@ -94,7 +95,7 @@ def main() -> None:
                            "--layers", str(args.layers), "--epochs", str(args.epochs), "--device", args.device]
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
                 result = subprocess.run(command, capture_output=True, text=True, env=env)
-            lines = [json.loads(line[7:]) for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+                lines = [json.loads(f.read_text()) for f in sorted(Path(out).glob("result-*.json"))]
             if result.returncode or not lines:
                 print(f"{procs:>9} {sharding:>8} failed: {result.stderr[-400:]}")
                 continue

@@ -211,6 +211,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3, help="timed epochs per run (default 3)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 epoch, 8 new tokens (4 for model c)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="override every model's max_new_tokens")
+    p.add_argument("--num-generations", type=int, default=4, help="completions per prompt and agent (default 4)")
     p.add_argument("--threads", type=int, default=1, help="torch threads in every run (default 1)")
     p.add_argument("--device", default="cpu", help="where every framework trains: cpu (default) or cuda")
     p.add_argument("--dtype", default="float32", choices=DTYPES,
@@ -236,7 +237,7 @@ def main() -> None:
     if args.trl_python:
         runners.append(("TRL GRPO (1 policy)", args.trl_python, PEERS / "trl_grpo_seed.py", []))
 
-    print(f"seed workload: 2 agents, {len(PROMPTS)} prompts x 4 "
+    print(f"seed workload: 2 agents, {len(PROMPTS)} prompts x {args.num_generations} "
           f"generations, 1 turn, lr {args.lr:g}, temperature 1.0 / top_k 50 / top_p 1.0, one optimizer step per "
           f"prompt, {'no checkpoints' if args.no_checkpoint else 'a checkpoint per epoch'}; {epochs} timed "
           f"epoch(s) per run, {args.threads} torch thread(s), each run in its own process; "
@@ -260,7 +261,7 @@ def main() -> None:
             print(f"\n({key}) {spec['label']}, max_new_tokens {tokens}{label}", flush=True)
             runner_args = ["--model-dir", str(path), "--epochs", str(epochs), "--max-new-tokens", str(tokens),
                            "--lr", str(args.lr), "--seed", str(args.seed), "--threads", str(args.threads),
-                           "--temperature", "1.0", "--top-k", "50", "--top-p", "1.0", "--num-generations", "4",
+                           "--temperature", "1.0", "--top-k", "50", "--top-p", "1.0", "--num-generations", str(args.num_generations),
                            "--trainer", trainer, "--device", args.device, "--dtype", args.dtype]
             if args.no_checkpoint:
                 runner_args.append("--no-checkpoint")
