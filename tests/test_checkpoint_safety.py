@@ -2,6 +2,7 @@
 hash and checked field by field, a planted W&B identity refused, train() retried after an
 interruption, non-finite training stopped, a failed write stopping the run at the right step."""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -16,6 +17,7 @@ import torch
 
 from comlrl import CheckpointDirError, CheckpointError, ConfigError, ResumeMismatchError, RewardError, TrainingError
 from comlrl.checkpoint import files
+from comlrl.engine.timing import PhaseTimer
 from comlrl.utils import find_latest_checkpoint, read_checkpoint_metadata
 
 from helpers import assert_bit_exact, never_stepped, rows, state_of
@@ -238,7 +240,7 @@ def test_a_reward_that_fills_a_cache_still_resumes(make_trainer, run):
 
 # --- 4. train() called again after an interruption ---------------------------------------------------
 
-@pytest.mark.parametrize("call", [7, 8], ids=["before-agent-0", "between-agents"])
+@pytest.mark.parametrize("call", [7, 8, "after-step-4"], ids=["before-agent-0", "between-agents", "step-done"])
 def test_train_again_after_an_exception_equals_an_uninterrupted_run(make_trainer, tmp_path, monkeypatch, call):
     import comlrl.engine.trainer as magrpo
 
@@ -256,10 +258,29 @@ def test_train_again_after_an_exception_equals_an_uninterrupted_run(make_trainer
             raise KeyboardInterrupt
         return apply(*args, **kwargs)
 
-    monkeypatch.setattr(magrpo, "apply_gradients", interrupted)
+    phase = PhaseTimer.__call__
+
+    @contextlib.contextmanager
+    def interrupted_after(self, name):
+        # the second buffer's second step finishes (every agent updated, global_step counted), and
+        # the interruption lands as its "update" phase closes (where CUDA synchronises)
+        with phase(self, name):
+            yield
+        if name == "update":
+            calls.append(1)
+            if len(calls) == 4:
+                raise KeyboardInterrupt
+
+    if call == "after-step-4":
+        monkeypatch.setattr(PhaseTimer, "__call__", interrupted_after)
+    else:
+        monkeypatch.setattr(magrpo, "apply_gradients", interrupted)
     with pytest.raises(KeyboardInterrupt):
         flaky.train(checkpoint_dir=tmp_path / "flaky")
-    assert flaky.state.global_step == 3 and any(p.grad is not None for m in flaky.agents for p in m.parameters())
+    if call == "after-step-4":
+        assert flaky.state.global_step == 4
+    else:
+        assert flaky.state.global_step == 3 and any(p.grad is not None for m in flaky.agents for p in m.parameters())
     flaky.train(checkpoint_dir=tmp_path / "flaky")  # the notebook habit: just call it again
     assert_bit_exact(state_of(full), state_of(flaky))
     assert rows(tmp_path / "full") == rows(tmp_path / "flaky")  # no row lost or doubled

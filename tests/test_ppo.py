@@ -119,6 +119,34 @@ def test_the_sampling_policys_log_probs_cost_no_extra_forward(model_path, tokeni
     assert 0 <= logged["agent_0/clip_fraction"] <= 1 and logged["global_step"] == 4
 
 
+def test_interrupted_while_reading_the_sampling_policy_train_again_equals_uninterrupted(model_path, tokenizer, tmp_path,
+                                                                                       monkeypatch):
+    """An interruption while the buffer's later step's old log-probs are read (before agent 0's
+    first update): train() again reads them again instead of taking the updated policy's."""
+    import comlrl.trainers.reinforce.magrpo as magrpo
+
+    settings = dict(ppo_clip_eps=0.2, num_update_epochs=2, num_train_epochs=1, rollout_buffer_size=4,
+                    train_batch_size=2)
+    full = _trainer(model_path, tokenizer, tmp_path / "full", **settings)
+    full.train()
+    flaky = _trainer(model_path, tokenizer, tmp_path / "flaky", **settings)
+    original, calls = magrpo.rows_log_probs, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(magrpo, "rows_log_probs", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        flaky.train()
+    assert flaky.state.global_step == 0
+    flaky.train()
+    assert len(calls) == 3  # agent 0's read again, then agent 1's
+    assert_bit_exact(state_of(full), state_of(flaky))
+
+
 @pytest.mark.parametrize("cls,config,extra", [(MAGRPOTrainer, MAGRPOConfig, {"ppo_clip_eps": 0.2, "num_update_epochs": 2,
                                                                              "rollout_buffer_size": 2,
                                                                              "train_batch_size": 1}),

@@ -158,7 +158,8 @@ class TrainerConfig(Config):
                                                     "backward pass of the update; None = all at once. Memory "
                                                     "only: the gradient is the same.", optional(check_int(1)))
     nonfinite: str = setting("raise", "A non-finite loss or gradient: 'raise' (stop before the optimizer step) or "
-                                      "'skip' (drop that step, counted in train/skipped_steps).",
+                                      "'skip' (drop the update whose gradient is not finite: one agent's, counted in "
+                                      "agent_i/skipped_steps; train/skipped_steps counts steps that updated nothing).",
                              check_choice("raise", "skip"))
     mixed_precision: Optional[str] = setting(None, "'bf16': rollout and loss forwards under torch.autocast(bfloat16) "
                                                    "(weights and AdamW keep their dtype); None = the model's dtype.",

@@ -56,6 +56,10 @@ class TrainState:
         return state
 
 
+# buffer.step_parts' key for the finished optimizer step's metrics (set by the engine, not by a family)
+STEP_DONE = "step_done"
+
+
 @dataclass
 class PlayedBuffer:
     """A buffer's played episodes and its progress through its optimizer steps. A family adds what
@@ -65,7 +69,8 @@ class PlayedBuffer:
     ``optimizer_step``); ``steps_done`` counts steps over every pass. ``step_parts`` holds what
     the current optimizer step has finished when it updates modules one after another (e.g. each
     agent's applied update and its metrics), so that train() called again after an interruption
-    redoes only the unfinished parts; emptied when the step completes."""
+    redoes only the unfinished parts; emptied when the step completes. The engine keeps the
+    finished step's metrics there under ``STEP_DONE`` until it has counted them."""
 
     turns: list[Any]
     record: dict[str, Any]

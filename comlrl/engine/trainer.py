@@ -37,7 +37,7 @@ from .persistence import Persistence
 from .prompts import PromptTable, build_formatter_list
 from .rewards import RewardFunction
 from .settings import TrainerConfig
-from .state import PlayedBuffer, TrainState
+from .state import STEP_DONE, PlayedBuffer, TrainState
 from .step import allocate_adam_state, apply_gradients, own_parameters
 from .timing import PhaseTimer
 
@@ -398,7 +398,10 @@ class Trainer(Evaluation, Persistence):
         buffer.steps = [range(offsets[c], offsets[c] + len(mine[c])) for c in range(len(chunks))]
         while buffer.steps_done < self.update_passes() * len(chunks):
             with timer("update"):
-                buffer.step_metrics.append(self.optimizer_step(buffer, buffer.steps[buffer.steps_done % len(chunks)]))
+                if STEP_DONE not in buffer.step_parts:  # a step finished before an interruption is not redone
+                    metrics = self.optimizer_step(buffer, buffer.steps[buffer.steps_done % len(chunks)])
+                    buffer.step_parts[STEP_DONE] = metrics
+            buffer.step_metrics.append(buffer.step_parts[STEP_DONE])
             buffer.steps_done += 1
             buffer.step_parts = {}
         self._buffer = None

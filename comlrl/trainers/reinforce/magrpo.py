@@ -224,7 +224,6 @@ class MAGRPOTrainer(Trainer):
         read = buffer.data.setdefault("sampled_policy_read", set())
         if buffer.steps_done or agent in read:
             return
-        read.add(agent)
         model = self.agents[agent]
         for index, step in enumerate(buffer.steps):
             if index == 0:  # the buffer's first step: this very step, read by its own forward
@@ -237,6 +236,7 @@ class MAGRPOTrainer(Trainer):
             kept[(agent, step.start)] = rows_log_probs(model, rows, temperature=self.args.temperature,
                                                        micro_groups=self.args.micro_batch_size,
                                                        autocast=self.autocast, passes=passes)
+        read.add(agent)  # only once every step's are kept: an interruption above reads them all again
 
     @staticmethod
     def loss_totals(out: Optional[StepLoss]) -> tuple[float, ...]:

@@ -104,7 +104,8 @@ class MAHAGRPOTrainer(MAGRPOTrainer):
                                                     factor if weights is None else weights * factor)
                 weights = parts[("weights", position)]
         metrics = {}
-        for position in reversed(range(len(order))):  # the learning rate logged: the first agent's
+        first = order.index(0)  # the learning rate logged: agent 0's, as MAGRPO logs it
+        for position in [p for p in range(len(order)) if p != first] + [first]:
             metrics.update(parts[("update", position)])
         if all(f"agent_{a}/skipped_steps" in metrics for a in order):
             metrics["train/skipped_steps"] = 1.0  # no agent updated: global_step stays
