@@ -107,22 +107,22 @@ def gather_objects(obj: Any, ctx: DistContext) -> list[Any]:
     return out
 
 
-def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
-    """Element-wise sum of a few float64 numbers over ranks (exact for counts)."""
+def _all_reduce(values: Sequence[float], ctx: DistContext, op: Any) -> list[float]:
     if not ctx.enabled:
         return list(values)
     tensor = torch.tensor(list(values), dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    dist.all_reduce(tensor, op=op)
     return tensor.cpu().tolist()
+
+
+def all_reduce_sum(values: Sequence[float], ctx: DistContext) -> list[float]:
+    """Element-wise sum of a few float64 numbers over ranks (exact for counts)."""
+    return _all_reduce(values, ctx, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(values: Sequence[float], ctx: DistContext) -> list[float]:
     """Element-wise maximum of a few numbers over ranks."""
-    if not ctx.enabled:
-        return list(values)
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=_collective_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.cpu().tolist()
+    return _all_reduce(values, ctx, dist.ReduceOp.MAX)
 
 
 def main_process_first_result(fn: Callable[[], T], ctx: DistContext) -> T:

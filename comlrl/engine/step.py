@@ -255,7 +255,9 @@ def allocate_adam_state(optimizer: torch.optim.Optimizer) -> None:
 
 def _sum_gradients(model: torch.nn.Module, ctx: dist.DistContext) -> None:
     """The sum over processes of every gradient of ``model``: all-reduced here, or for a sharded
-    model already reduced by FSDP as an average (each process's shard), turned back into the sum."""
+    model already reduced by FSDP as an average (each process's shard), turned back into the sum.
+    (FSDP's ``set_gradient_divide_factor(1.0)`` would sum directly, but it reduces with
+    ``ReduceOp.PREMUL_SUM``, which gloo does not support.)"""
     from torch.distributed.tensor import DTensor
 
     sharded = [p for p in model.parameters() if isinstance(p, DTensor)]

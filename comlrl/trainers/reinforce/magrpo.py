@@ -159,15 +159,24 @@ class MAGRPOTrainer(Trainer):
         parts = buffer.step_parts
         for a in range(len(self.agents)):
             if a not in parts:
-                applied = [f"agent {b}" for b in range(a) if parts[b].get(f"agent_{b}/skipped_steps") is None]
-                parts[a] = self._agent_update(buffer, a, groups, applied)
+                parts[a] = self._agent_update(buffer, a, groups, self._updated([(b, parts[b]) for b in range(a)]))
+        return self._step_result({a: parts[a] for a in range(len(self.agents))})
+
+    @staticmethod
+    def _updated(done: Sequence[tuple[int, Mapping[str, float]]]) -> list[str]:
+        """The agents of ``done`` ((agent, its update's metrics) of this step) whose update was applied."""
+        return [f"agent {a}" for a, metrics in done if f"agent_{a}/skipped_steps" not in metrics]
+
+    def _step_result(self, per_agent: Mapping[int, Mapping[str, float]]) -> dict[str, float]:
+        """The optimizer step's metrics from each agent's update (the learning rate logged: agent
+        0's); the step counts in ``global_step`` unless no agent was updated."""
         metrics: dict[str, float] = {}
-        for a in reversed(range(len(self.agents))):  # the learning rate logged: agent 0's
-            metrics.update(parts[a])
-        if all(f"agent_{a}/skipped_steps" in parts[a] for a in range(len(self.agents))):
-            metrics["train/skipped_steps"] = 1.0
-        else:
+        for a in sorted(per_agent, reverse=True):
+            metrics.update(per_agent[a])
+        if self._updated(list(per_agent.items())):
             self.state.global_step += 1
+        else:
+            metrics["train/skipped_steps"] = 1.0
         return metrics
 
     def _agent_update(self, buffer: PlayedBuffer, agent: int, groups: range, applied: list[str],

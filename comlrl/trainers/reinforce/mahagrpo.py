@@ -90,8 +90,7 @@ class MAHAGRPOTrainer(MAGRPOTrainer):
         weights = None  # [R] M of each row (joint action), None before the first agent
         for position, agent in enumerate(order):
             if ("update", position) not in parts:
-                applied = [f"agent {b}" for i, b in enumerate(order[:position])
-                           if f"agent_{b}/skipped_steps" not in parts[("update", i)]]
+                applied = self._updated([(b, parts[("update", i)]) for i, b in enumerate(order[:position])])
                 metrics = self._agent_update(buffer, agent, groups, applied, weights)
                 metrics[f"agent_{agent}/update_position"] = float(position)
                 if weights is not None:
@@ -103,15 +102,7 @@ class MAHAGRPOTrainer(MAGRPOTrainer):
                     parts[("weights", position)] = (weights if factor is None else
                                                     factor if weights is None else weights * factor)
                 weights = parts[("weights", position)]
-        metrics = {}
-        first = order.index(0)  # the learning rate logged: agent 0's, as MAGRPO logs it
-        for position in [p for p in range(len(order)) if p != first] + [first]:
-            metrics.update(parts[("update", position)])
-        if all(f"agent_{a}/skipped_steps" in metrics for a in order):
-            metrics["train/skipped_steps"] = 1.0  # no agent updated: global_step stays
-        else:
-            self.state.global_step += 1
-        return metrics
+        return self._step_result({agent: parts[("update", position)] for position, agent in enumerate(order)})
 
     def _clipped_ratio(self, buffer: PlayedBuffer, agent: int, groups: range, eps: float) -> Optional[torch.Tensor]:
         """``[R]`` clip(pi_new / pi_old, 1 - eps, 1 + eps) of the agent's completions of the rows,
