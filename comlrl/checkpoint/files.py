@@ -498,9 +498,11 @@ def write_checkpoint(directory: str | os.PathLike, snap: Snapshot, name: Optiona
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(content)
             files[rel] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
-        for target in sorted(p for p in tmp.rglob("*") if p.is_file()):  # written by every process
-            rel = target.relative_to(tmp).as_posix()
-            files.setdefault(rel, {"bytes": target.stat().st_size, "sha256": _sha256(target)})
+        if prewritten is not None:  # the files every process wrote (sharded modules)
+            for target in sorted(p for p in tmp.rglob("*") if p.is_file()):
+                rel = target.relative_to(tmp).as_posix()
+                if rel not in files:
+                    files[rel] = {"bytes": target.stat().st_size, "sha256": _sha256(target)}
         state_bytes = json.dumps(snap.record, indent=1, sort_keys=True, allow_nan=False).encode("utf-8")
         (tmp / STATE_FILE).write_bytes(state_bytes)
         files[STATE_FILE] = {"bytes": len(state_bytes), "sha256": hashlib.sha256(state_bytes).hexdigest()}
