@@ -1057,6 +1057,20 @@ def test_filesystem_is_reported_only_where_every_mount_is_read_only():
     assert _layers({**active, "landlock": True})["filesystem"] is True
 
 
+
+def test_signals_need_landlock_signal_scoping_and_an_off_layer_names_its_mechanisms():
+    from comlrl.sandbox import Sandbox
+    from comlrl.sandbox._sandbox import _layers
+
+    # Landlock before ABI 6 confines files but not signals: "signals" is then off without a PID
+    # namespace or a uid of its own, and the warning names the mechanism that is missing
+    active = {"landlock": True, "landlock_signals": False, "pid_namespace": False, "uid_drop": False}
+    assert _layers(active)["signals"] is False and _layers(active)["file_reads"] is True
+    assert _layers({**active, "landlock_signals": True})["signals"] is True
+    report = {"reasons": {"landlock_signals": "Landlock ABI 4 scopes no signals (6 does)"}}
+    why = Sandbox._why("signals", report)
+    assert "landlock_signals off (Landlock ABI 4 scopes no signals" in why and "uid_drop off (unavailable)" in why
+
 def _nobody_python(env):
     """An interpreter of this Python version that uid 65534 can run (and that can start itself
     again: the sandbox's workers run sys.executable), with this test run's packages on its path;

@@ -48,22 +48,27 @@ _warned: set[frozenset] = set()
 _warn_lock = threading.Lock()
 
 
+# Each layer that can be off, and the mechanisms any one of which provides it (the others are always on).
+_PROVIDERS = {
+    "pid_namespace": ("pid_namespace",),
+    "cgroup": ("cgroup",),
+    "process_limit": ("process_limit",),
+    "separate_user": ("uid_drop",),
+    "network": ("network_namespace", "seccomp"),
+    "ipc": ("ipc_namespace", "seccomp"),
+    "signals": ("pid_namespace", "uid_drop", "landlock_signals"),
+    "filesystem": ("mount_namespace", "landlock"),
+    "file_reads": ("landlock",),
+    "syscall_filter": ("seccomp",),
+}
+
+
 def _layers(active: dict[str, bool]) -> dict[str, bool]:
-    on = {name: bool(active.get(name)) for name in MECHANISMS}
-    return {
-        "session": True, "kill_tree": True, "rlimits": True, "environment": True, "tmpdir": True,
-        "pid_namespace": on["pid_namespace"],
-        "cgroup": on["cgroup"],
-        "process_limit": bool(active.get("process_limit")),
-        "separate_user": on["uid_drop"],
-        "network": on["network_namespace"] or on["seccomp"],
-        "ipc": on["ipc_namespace"] or on["seccomp"],
-        "signals": on["pid_namespace"] or on["uid_drop"] or bool(active.get("landlock_signals")),
-        # a mount namespace counts only where every mount in it could be made read-only
-        "filesystem": (on["mount_namespace"] and bool(active.get("read_only_mounts"))) or on["landlock"],
-        "file_reads": on["landlock"],
-        "syscall_filter": on["seccomp"],
-    }
+    on = dict.fromkeys(("session", "kill_tree", "rlimits", "environment", "tmpdir"), True)
+    on.update({layer: any(active.get(m) for m in providers) for layer, providers in _PROVIDERS.items()})
+    # a mount namespace counts only where every mount in it could be made read-only
+    on["filesystem"] = bool((active.get("mount_namespace") and active.get("read_only_mounts")) or active.get("landlock"))
+    return on
 
 
 # The largest value each setting may take: beyond them a setting is a mistake (timeout_s=1e12
@@ -204,11 +209,7 @@ class Sandbox:
 
     @staticmethod
     def _why(layer: str, report: dict[str, Any]) -> str:
-        mechanisms = {"pid_namespace": ["pid_namespace"], "separate_user": ["uid_drop"], "process_limit": ["process_limit"],
-                      "network": ["network_namespace", "seccomp"], "ipc": ["ipc_namespace", "seccomp"],
-                      "signals": ["pid_namespace", "uid_drop", "landlock"], "filesystem": ["mount_namespace", "landlock"],
-                      "file_reads": ["landlock"], "syscall_filter": ["seccomp"], "cgroup": ["cgroup"]}.get(layer, [])
-        return ", ".join(f"{m} off ({report['reasons'].get(m, 'unavailable')})" for m in mechanisms)
+        return ", ".join(f"{m} off ({report['reasons'].get(m, 'unavailable')})" for m in _PROVIDERS.get(layer, ()))
 
     def _warn_once(self, layers: dict[str, bool], report: dict[str, Any]) -> None:
         off = frozenset(name for name, on in layers.items() if not on)

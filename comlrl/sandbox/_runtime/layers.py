@@ -152,8 +152,11 @@ def setup(config: dict[str, Any]) -> Zygote:
         z.reasons["process_limit"] = "RLIMIT_NPROC above the user's processes, counted before each request"
     _try(z, "seccomp", disabled, lambda: setattr(z, "seccomp_filter", _build_seccomp()))
     z.read_paths = _expand(read_paths, z.answer_keys)
-    if _try(z, "landlock", disabled, lambda: _probe_landlock(z)):
-        z.active["landlock_signals"] = landlock_features(z.landlock_abi)["signals"]
+    landlock = _try(z, "landlock", disabled, lambda: _probe_landlock(z))
+    z.active["landlock_signals"] = landlock and landlock_features(z.landlock_abi)["signals"]
+    if not z.active["landlock_signals"]:
+        z.reasons["landlock_signals"] = (f"Landlock ABI {z.landlock_abi} scopes no signals (6 does)" if landlock
+                                         else "Landlock is off")
     return z
 
 
