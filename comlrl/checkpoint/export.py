@@ -37,9 +37,10 @@ _ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
 
 def exportable(path: str | os.PathLike) -> bool:
     """Whether checkpoint ``path`` records its export folders (written by this comlrl or later)."""
+    from .manager import checkpoint_state
+
     try:
-        return bool(validate_state(files.read_state(path), Path(path), files.read_manifest(path)["checkpoint"])
-                    ["folders"])
+        return bool(checkpoint_state(path)["folders"])
     except CheckpointError:
         return False
 
@@ -178,10 +179,11 @@ def _earlier_export(target: Path) -> Optional[dict[str, Any]]:
     if not target.is_dir():
         raise ConfigError(f"{target} exists and is not a directory; nothing was written. Choose a new directory for "
                           "the export.")
-    record = export_record(target) or {"folders": [], "files": [], "run_id": None}
+    recorded = export_record(target)
+    record = recorded or {"folders": [], "files": [], "run_id": None}
     foreign = sorted(_present(target) - set(record["files"]))
     entries = sorted(p.name for p in target.iterdir() if not p.name.startswith(_TMP))
-    if foreign or (not record["files"] and entries and export_record(target) is None):
+    if foreign or (recorded is None and entries):
         found = foreign or entries
         raise ConfigError(f"{target} already holds files export did not write ({', '.join(found[:5])}"
                           f"{', ...' if len(found) > 5 else ''}); nothing was written or removed. Choose a new or "

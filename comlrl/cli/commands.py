@@ -78,9 +78,11 @@ def train(argv: Sequence[str]) -> int:
 def _refuse_a_used_directory(spec: RunSpec, checkpoint_dir: Any) -> None:
     """A new run refuses a checkpoint_dir that already holds checkpoints, with the command line's
     advice, before loading anything (train() would refuse it too, once the models are loaded)."""
-    if not checkpoint_dir or not Path(checkpoint_dir).is_dir():
+    from ..checkpoint.files import checkpoint_entries
+
+    if not checkpoint_dir:
         return
-    found = sorted(p.name for p in Path(checkpoint_dir).iterdir() if re.fullmatch(r"checkpoint-\d+", p.name))
+    found = [p.name for p in checkpoint_entries(checkpoint_dir)]
     if found:
         where = spec.doc.where(("train", "checkpoint_dir"))
         raise CliError(f"{where}: {checkpoint_dir} already holds {', '.join(found[:3])}"

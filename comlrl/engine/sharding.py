@@ -30,14 +30,7 @@ import torch
 from ..exceptions import ConfigError
 from . import distributed as dist
 
-__all__ = ["is_sharded", "fsdp_units", "device_mesh", "shard_model", "gathered", "local_fraction"]
-
-
-def is_sharded(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s parameters are FSDP2 shards (DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
+__all__ = ["fsdp_units", "device_mesh", "shard_model", "gathered", "local_fraction"]
 
 
 def fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
