@@ -79,6 +79,24 @@ def test_full_agents_are_from_pretrained_folders(tmp_path, model_path, tokenizer
         assert keys == set(agent.state_dict()) - {"lm_head.weight"}
 
 
+def test_a_save_hashes_each_file_once(tmp_path, model_path, monkeypatch):
+    from comlrl.checkpoint import files
+
+    hashed = []  # each file's path inside the checkpoint being written
+
+    def counted(path):
+        parts = Path(path).parts
+        start = next(i for i, part in enumerate(parts) if part.startswith(".tmp-checkpoint-")) + 1
+        hashed.append("/".join(parts[start:]))
+        return original(path)
+
+    original = files._sha256
+    monkeypatch.setattr(files, "_sha256", counted)
+    _, checkpoint = _trained(tmp_path, "magrpo", model_path)
+    listed = json.loads((checkpoint / files.MANIFEST_FILE).read_text())["files"]
+    assert sorted(hashed) == sorted(rel for rel in listed if rel.endswith(".safetensors"))  # each once
+
+
 def test_lora_agents_are_peft_adapter_folders(tmp_path, model_path):
     from peft import PeftModel
 
