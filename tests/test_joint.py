@@ -7,6 +7,7 @@ from comlrl.engine.collect import train_seeds
 
 from comlrl import ConfigError
 from comlrl.functional.joint import cross_combinations, cross_returns, joint_actions_per_group
+from comlrl.utils import batched_reward
 
 
 def slow_cross_returns(rewards, k, n):
@@ -33,21 +34,27 @@ def test_cross_combinations_and_counts():
     assert joint_actions_per_group("aligned", 4, 3) == 4 and joint_actions_per_group("cross", 4, 3) == 64
 
 
-def test_cross_mode_scores_every_combination(make_trainer):
+@pytest.mark.parametrize("batched", [False, True], ids=["per-joint-action", "batched"])
+def test_cross_mode_scores_every_combination(make_trainer, batched):
     calls = []
 
     def reward(completions1, completions2):
         calls.append((list(completions1), list(completions2)))
         return [float(len(a) - len(b)) for a, b in zip(completions1, completions2)]
 
-    trainer = make_trainer(num_train_epochs=1, joint_mode="cross", num_generations=3, reward_func=reward,
-                           train_batch_size=2)
+    trainer = make_trainer(num_train_epochs=1, joint_mode="cross", num_generations=3,
+                           reward_func=batched_reward(reward) if batched else reward, train_batch_size=2)
     table = trainer._table("train")
     (turn,) = trainer._collector(table).play(trainer._batch(table, [0, 1]), num_generations=3, num_turns=1,
                                              seed_of=train_seeds(trainer.args.seed, 0), threshold=None)
     rollouts, rewards = turn.rollouts, turn.rewards
     assert rewards.shape == (2 * 9,)
-    assert len(calls) == 2  # one reward call per task item, with its 9 joint actions
+    if batched:  # one reward call per task item, with its 9 joint actions
+        assert len(calls) == 2
+    else:  # one call per joint action (CoMLRL 1.4.3's), one-element lists, in the same order
+        assert len(calls) == 18 and all(len(a) == len(b) == 1 for a, b in calls)
+        calls = [([a[0] for a, _ in calls[g * 9:(g + 1) * 9]], [b[0] for _, b in calls[g * 9:(g + 1) * 9]])
+                 for g in range(2)]
     for g in range(2):
         first, second = calls[g]
         for j, (i0, i1) in enumerate(itertools.product(range(3), repeat=2)):

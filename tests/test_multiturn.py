@@ -122,8 +122,8 @@ def test_two_turn_episode_tree_rewards_and_env_step(make_trainer):
         assert node.path == (j,)
         assert node.prompts[1].endswith(turns[0].rollouts[0].texts[j][:20])
         assert node.response_history == [[turns[0].rollouts[0].texts[j]], [turns[0].rollouts[1].texts[j]]]
-    # one reward call per node, with agent 0's prompt of that turn
-    assert calls[-4:] == [[n.prompts[0]] for n in turns[1].nodes]
+    # one reward call per joint action (4 per node), with agent 0's prompt of that turn
+    assert calls[-16:] == [[n.prompts[0]] for n in turns[1].nodes for _ in range(4)]
     trainer.train()
     assert trainer.state.env_step == 4 * (4 + 16)
 

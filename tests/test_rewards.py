@@ -1,4 +1,6 @@
-"""Calling the user's reward function: CoMLRL's conventions, one call per task item, checked output."""
+"""Calling the user's reward function: CoMLRL's conventions, one call per joint action (or per
+task item when batched), checked output. The task repositories' patterns, against CoMLRL 1.4.3's
+recorded calls: tests/test_task_repos.py."""
 
 import math
 
@@ -8,7 +10,7 @@ import torch
 
 from comlrl import RewardError
 from comlrl.engine.rewards import RewardFunction, plan_reward_call
-from comlrl.utils import call_reward_function
+from comlrl.utils import batched_reward, call_reward_function
 
 C1, C2 = ["a", "bb", "ccc"], ["xx", "y", "zzzz"]
 PROMPT = "p0"
@@ -20,69 +22,90 @@ def call(func, num_agents=2, processor=None):
     return RewardFunction(func, num_agents, processor)(completions, PROMPT, ITEM)
 
 
-def test_plain_convention_gets_one_list_per_agent_aligned():
-    seen = {}
+def test_plain_convention_one_call_per_joint_action():
+    seen = []
 
     def reward(completions1, completions2):
-        seen["args"] = (completions1, completions2)
+        seen.append((completions1, completions2))
         return [len(a) + 10 * len(b) for a, b in zip(completions1, completions2)]
 
     assert call(reward).tolist() == [21.0, 12.0, 43.0]
-    assert seen["args"] == (C1, C2)
+    assert seen == [([a], [b]) for a, b in zip(C1, C2)]  # CoMLRL 1.4.3's call: one-element lists
 
 
-def test_prompts_and_items_are_one_entry_per_task_item():
+def test_a_batched_reward_gets_every_joint_action_of_an_item_at_once():
+    seen = []
+
+    @batched_reward
+    def reward(completions1, completions2, *, batch_items, prompts):
+        seen.append((completions1, completions2, batch_items, prompts))
+        return [len(a) + 10 * len(b) for a, b in zip(completions1, completions2)]
+
+    assert reward.reward_batched is True
+    assert call(reward).tolist() == [21.0, 12.0, 43.0]
+    assert seen == [(C1, C2, [ITEM] * 3, [PROMPT] * 3)]  # rows and prompts aligned with the completions
+
+
+def test_prompts_and_items_are_aligned_with_the_completions():
     def leading(prompts, completions1, completions2):
-        assert prompts == [PROMPT]
-        return [1.0] * len(completions1)
+        assert prompts == [PROMPT] and len(completions1) == 1
+        return [1.0]
 
     def keywords(completions1, completions2, *, batch_items, prompts):
         assert batch_items == [ITEM] and prompts == [PROMPT]
-        return [2.0] * 3
+        return [2.0]
 
     def kwargs_only(completions1, completions2, **kwargs):
         assert kwargs["batch_items"] == [ITEM] and kwargs["prompts"] == [PROMPT]
-        return [3.0] * 3
+        return [3.0]
+
+    joined = []
 
     def joint(lists):  # one positional parameter, two agents: a list of the lists
-        assert lists == [C1, C2]
-        return [4.0] * 3
+        joined.append(lists)
+        return [4.0]
+
+    def varargs(*completions, batch_items=None, prompts=None):  # keywords arrive, *args or not
+        assert batch_items == [ITEM] and prompts == [PROMPT] and len(completions) == 2
+        return [5.0]
 
     assert call(leading).tolist() == [1.0] * 3
     assert call(keywords).tolist() == [2.0] * 3
     assert call(kwargs_only).tolist() == [3.0] * 3
-    assert call(joint).tolist() == [4.0] * 3
+    assert call(joint).tolist() == [4.0] * 3 and joined == [[[a], [b]] for a, b in zip(C1, C2)]
+    assert call(varargs).tolist() == [5.0] * 3
 
 
 def test_named_keyword_parameters_are_never_taken_for_completions():
     """CoMLRL 1.4.3 counts ``batch_items=None`` as a third positional parameter, hands the prompts
     to ``completions1`` and then silently drops the rows; here they arrive."""
     def reward(completions1, completions2, batch_items=None):
-        assert completions1 == C1 and batch_items == [ITEM]
-        return [1.0] * 3
+        assert completions1 in ([c] for c in C1) and batch_items == [ITEM]
+        return [1.0]
 
     def scaled(completions1, completions2, scale=2.0):
-        assert completions1 == C1
-        return [scale] * 3
+        assert completions1 in ([c] for c in C1)
+        return [scale]
 
     assert call(reward).tolist() == [1.0] * 3
     assert call(scaled).tolist() == [2.0] * 3
-    assert plan_reward_call(reward, 2, strict=False).leading_prompts  # what 1.4.3's counting does
+    assert plan_reward_call(reward, 2).keywords == {"batch_items"} and not plan_reward_call(reward, 2).leading_prompts
 
 
 def test_varargs_and_numpy_and_tensor_returns():
-    assert call(lambda *cs: np.array([1, 2, 3])).tolist() == [1.0, 2.0, 3.0]
-    assert call(lambda a, b: torch.tensor([0.5, 0.5, 0.5])).tolist() == [0.5] * 3
+    assert call(lambda *cs: np.array([len(cs[0][0])])).tolist() == [1.0, 2.0, 3.0]
+    assert call(lambda a, b: torch.tensor([0.5])).tolist() == [0.5] * 3
+    assert call(batched_reward(lambda *cs: np.array([1, 2, 3]))).tolist() == [1.0, 2.0, 3.0]
 
 
 def test_processor_is_applied_and_checked():
-    assert call(lambda a, b: [1, 2, 3], processor=lambda r: r * 10).tolist() == [10.0, 20.0, 30.0]
+    assert call(lambda a, b: [len(a[0])], processor=lambda r: r * 10).tolist() == [10.0, 20.0, 30.0]
     with pytest.raises(RewardError, match="reward_processor.*finite"):
-        call(lambda a, b: [1, 2, 3], processor=lambda r: math.inf)
+        call(lambda a, b: [1], processor=lambda r: math.inf)
 
 
 @pytest.mark.parametrize("returned, words", [
-    ([1.0, 2.0], "returned 2 value.s. for 3 joint actions"),
+    ([1.0, 2.0], "returned 2 value.s. for 3 joint action"),
     ([1.0, 2.0, 3.0, 4.0], "returned 4 value.s. for 3"),
     ([1.0, float("nan"), 1.0], "nan at index 1"),
     ([1.0, 1.0, float("inf")], "inf at index 2"),
@@ -97,7 +120,13 @@ def test_processor_is_applied_and_checked():
 ])
 def test_bad_returns_are_named(returned, words):
     with pytest.raises(RewardError, match=words):
-        call(lambda a, b: returned)
+        call(batched_reward(lambda a, b: returned))
+
+
+def test_a_per_joint_action_reward_returning_a_list_is_told_how_to_batch():
+    with pytest.raises(RewardError, match=r"returned 3 value.s. for 1 joint action.s. of one call; it is called once "
+                                          r"per joint action .*comlrl.utils.batched_reward"):
+        call(lambda a, b: [1.0, 2.0, 3.0])
 
 
 def test_a_raising_reward_is_wrapped_with_its_name():
@@ -120,6 +149,9 @@ def test_a_type_error_inside_the_reward_is_not_retried():
     with pytest.raises(RewardError, match="a bug inside the reward"):
         call(reward)
     assert calls == [[ITEM]]
+    with pytest.raises(TypeError, match="a bug inside the reward"):  # the public helper: the user's own error
+        call_reward_function(reward, [PROMPT], [C1, C2], num_agents=2, batch_items=[ITEM])
+    assert len(calls) == 2
 
 
 def test_wrong_arity_is_refused_up_front():
@@ -127,12 +159,20 @@ def test_wrong_arity_is_refused_up_front():
         RewardFunction(lambda a, b, c, d: [1.0], num_agents=2)
     with pytest.raises(RewardError, match="callable"):
         RewardFunction("not a function", num_agents=2)
+    with pytest.raises(RewardError, match="reward_batched must be True or False"):
+        RewardFunction(type("R", (), {"reward_batched": "yes", "__call__": lambda self, a, b: [0.0]})(), 2)
 
 
-def test_public_helper_keeps_comlrl_protocol():
-    """comlrl.utils.call_reward_function: CoMLRL's counting and its one retry on TypeError."""
+def test_public_helper_is_the_engines_binding():
+    """comlrl.utils.call_reward_function: one call with the lists as given, read as the trainers read
+    the signature (``batch_items=None`` is a keyword, not a third list)."""
     def two(a, b):
         return (1, 2)
 
+    def rows(a, b, batch_items=None):
+        return [float(r["id"]) for r in batch_items]
+
     assert call_reward_function(two, ["p"], [["x"], ["y"]], num_agents=2) == [1.0, 2.0]
     assert call_reward_function(lambda p, a, b: 5, ["p"], [["x"], ["y"]], num_agents=2) == [5.0]
+    assert call_reward_function(rows, ["p", "q"], [C1[:2], C2[:2]], num_agents=2,
+                                batch_items=[{"id": 3}, {"id": 4}]) == [3.0, 4.0]

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from comlrl import ConfigError, DataError, MAGRPOConfig, MAGRPOTrainer, RewardError, TokenizerError
 from comlrl.engine.prompts import render_prompt
 from comlrl.testing import build_tiny_tokenizer, tiny_model_dir
+from comlrl.utils import batched_reward
 
 from helpers import SEED_PROMPTS, TEST_SETTINGS, assert_bit_exact, length_ratio_reward, never_stepped, play, state_of
 
@@ -347,7 +348,9 @@ def test_bad_agents_arguments(model_path, tokenizer, caplog):
 
 
 @pytest.mark.parametrize("bad_reward, words", [
-    (lambda a, b: [1.0] * (len(a) - 1), "returned 3 value.s. for 4 joint actions"),
+    (lambda a, b: [1.0] * (len(a) - 1), "returned 0 value.s. for 1 joint action.s. of one call; it is called once "
+                                         "per joint action"),
+    (batched_reward(lambda a, b: [1.0] * (len(a) - 1)), "returned 3 value.s. for 4 joint action"),
     (lambda a, b: [math.nan] * len(a), "finite"),
     (lambda a, b: ["good"] * len(a), "non-number"),
     (lambda a, b: 1 / 0, "ZeroDivisionError"),

@@ -128,7 +128,7 @@ class Collector:
         out = []
         for i, node in enumerate(nodes):
             part = [c[i * joint:(i + 1) * joint] for c in completions]
-            out.append(self.reward(part, node.prompts[0], batch.rows[node.group]))
+            out.append(self.reward(part, node.prompts[0], batch.rows[node.group], agent_prompts=node.prompts))
         if not out:
             return torch.zeros(0, dtype=torch.float64)
         if any(r.dim() == 2 for r in out):  # per-agent rewards (actor-critic): [N, nodes * J]

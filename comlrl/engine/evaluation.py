@@ -1,19 +1,30 @@
 """Evaluation, shared by every trainer family: one sampled completion per agent, prompt and turn,
 from fixed per-prompt seeds, with every global random state restored afterwards (a run with
-evaluation trains exactly as one without), and CoMLRL's task-metric callbacks."""
+evaluation trains exactly as one without), and CoMLRL's task-metric callbacks.
+
+``eval_logger`` gets, by keyword, those it declares (or, with ``**kwargs``, CoMLRL 1.4.3's three)
+of: ``agent_completions_turns`` (``[agent][item][turn]``), ``batch_items`` and ``prompts`` (1.4.3's
+form), ``test_cases`` and ``entry_points`` (each item's ``test`` / ``entry_point``: the form
+loggers written for CoMLRL 1.3.9-1.4.2 take). ``eval_aggregator(metrics, num_turns=...)`` gets
+``num_turns`` when it declares it (or ``**kwargs``), as 1.4.3 passes it; otherwise just the
+metrics, as earlier CoMLRL versions called single-turn aggregators.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
+from ..exceptions import ConfigError
 from . import distributed as dist
 from .collect import eval_seeds
 from .metrics import episode_metrics, merge_records, record_turns
 from .prompts import PromptTable
 
-__all__ = ["Evaluation"]
+__all__ = ["Evaluation", "EvalCallbacks"]
 
 logger = logging.getLogger("comlrl")
 
@@ -79,6 +90,15 @@ class Evaluation:
         ``eval_logger`` sees them."""
         return [[t.completions[a][group] for t in turns] for a in range(len(turns[0].completions))]
 
+    def _eval_callbacks(self) -> "EvalCallbacks":
+        """How to call the current ``eval_logger`` / ``eval_aggregator`` (planned again when the
+        attributes were replaced after construction)."""
+        held = (self.eval_logger, self.eval_aggregator)
+        planned = getattr(self, "_eval_plan", None)
+        if planned is None or planned[0][0] is not held[0] or planned[0][1] is not held[1]:
+            self._eval_plan = (held, EvalCallbacks.plan(*held))
+        return self._eval_plan[1]
+
     def _custom_eval_metrics(self, table: PromptTable, indices: list[int], completions) -> dict[str, float]:
         """``eval_logger`` / ``eval_aggregator`` (CoMLRL's task-metric callbacks), both or neither."""
         if self.eval_logger is None or self.eval_aggregator is None:
@@ -88,10 +108,82 @@ class Evaluation:
         agents = len(next(iter(by_index.values()))) if by_index else self.num_agents
         per_agent = [[list(by_index[i][a]) for i in indices] for a in range(agents)]
         items = [table.item(i) for i in indices]
-        logged = self.eval_logger(agent_completions_turns=per_agent, batch_items=items,
-                                  prompts=[row.get("prompt") for row in items])
-        aggregated = self.eval_aggregator(logged, num_turns=self.args.num_turns) or {}
+        aggregated = self._eval_callbacks().run(self.eval_logger, self.eval_aggregator, per_agent, items,
+                                                self.args.num_turns)
         return {f"eval/{k}": float(v) for k, v in aggregated.items()}
+
+
+@dataclass(frozen=True)
+class EvalCallbacks:
+    """How ``eval_logger`` and ``eval_aggregator`` are called, read once from their signatures
+    (module docstring); :meth:`plan` refuses, when the trainer is built, a logger that cannot take
+    ``agent_completions_turns`` or asks for something comlrl does not pass."""
+
+    logger_keywords: frozenset = frozenset()
+    aggregator_num_turns: bool = True
+
+    LOGGER_VALUES = ("agent_completions_turns", "batch_items", "prompts", "test_cases", "entry_points")
+    CURRENT = ("agent_completions_turns", "batch_items", "prompts")  # CoMLRL 1.4.3's call
+
+    @classmethod
+    def plan(cls, eval_logger: Optional[Callable], eval_aggregator: Optional[Callable]) -> "EvalCallbacks":
+        for name, func in (("eval_logger", eval_logger), ("eval_aggregator", eval_aggregator)):
+            if func is not None and not callable(func):
+                raise ConfigError(f"{name} must be callable, got {type(func).__name__}.")
+        return cls(cls._logger_keywords(eval_logger), cls._takes_num_turns(eval_aggregator))
+
+    @classmethod
+    def _logger_keywords(cls, func: Optional[Callable]) -> frozenset:
+        params = _parameters(func)
+        if func is None or params is None:
+            return frozenset(cls.CURRENT)
+        P = inspect.Parameter
+        named = {p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
+        var_kw = any(p.kind is P.VAR_KEYWORD for p in params)
+        keywords = frozenset(n for n in cls.LOGGER_VALUES if n in named or (var_kw and n in cls.CURRENT))
+        name = getattr(func, "__qualname__", type(func).__name__)
+        if "agent_completions_turns" not in keywords:
+            raise ConfigError(f"eval_logger {name} must take agent_completions_turns=... by keyword "
+                              "([agent][item][turn] completions), as CoMLRL calls it: "
+                              "eval_logger(agent_completions_turns=, batch_items=, prompts=) (1.4.3) or "
+                              "eval_logger(agent_completions_turns, test_cases, entry_points, prompts) (1.4.2).")
+        unknown = [p.name for p in params if p.default is P.empty and p.name not in keywords
+                   and p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)]
+        if unknown:
+            asked = ", ".join(map(repr, unknown))
+            raise ConfigError(f"eval_logger {name} asks for {asked}, which comlrl does not pass; it passes "
+                              f"{', '.join(cls.LOGGER_VALUES)} by keyword. Give it a default.")
+        return keywords
+
+    @staticmethod
+    def _takes_num_turns(func: Optional[Callable]) -> bool:
+        params = _parameters(func)
+        if func is None or params is None:
+            return True
+        P = inspect.Parameter
+        return any((p.name == "num_turns" and p.kind is not P.POSITIONAL_ONLY) or p.kind is P.VAR_KEYWORD
+                   for p in params)
+
+    def run(self, eval_logger: Callable, eval_aggregator: Callable, completions: list, items: list,
+            num_turns: int) -> dict[str, Any]:
+        """The aggregated task metrics of ``[agent][item][turn]`` eval completions of ``items``."""
+        values = {"agent_completions_turns": completions, "batch_items": items,
+                  "prompts": [row.get("prompt", "") for row in items],
+                  "test_cases": [row.get("test", "") for row in items],
+                  "entry_points": [row.get("entry_point", "") for row in items]}
+        logged = eval_logger(**{k: v for k, v in values.items() if k in self.logger_keywords})
+        if self.aggregator_num_turns:
+            return eval_aggregator(logged, num_turns=num_turns) or {}
+        return eval_aggregator(logged) or {}
+
+
+def _parameters(func: Optional[Callable]) -> Optional[list[inspect.Parameter]]:
+    if func is None:
+        return None
+    try:
+        return list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return None
 
 
 @contextlib.contextmanager

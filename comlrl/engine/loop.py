@@ -61,7 +61,7 @@ class RunLoop:
             self._close(success)
 
     def _open_sinks(self) -> None:
-        folder = self.checkpoint_dir if self.checkpoint_dir is not None else Path(self.args.output_dir)
+        folder = self.checkpoint_dir if self.checkpoint_dir is not None else self.t.outputs_dir
         self.trackers = self.t._open_trackers(folder, resumed=self.continuing, keep_at_boundary=_is_train_row)
 
     def _sync_trackers(self) -> None:

@@ -240,13 +240,35 @@ class Persistence:
         written to a hidden sibling and renamed into place; an existing one only when it holds
         nothing but an earlier export (recorded in ``.comlrl-export.json``), each folder replaced
         whole: what an export did not write is never replaced. Under torchrun every process calls
-        it and rank 0 writes."""
+        it and rank 0 writes. After a ``train()`` that logged to W&B, the folder is recorded in that
+        run's summary as ``final_model_saved`` (CoMLRL 1.4.3 logs it there)."""
         if not isinstance(merge_adapters, bool):
             raise ConfigError(f"merge_adapters must be True or False, got {merge_adapters!r}.")
         if self.sharded:
-            return self._save_sharded_model(Path(output_dir))
-        return dist.main_process_first_result(lambda: _write_agents(Path(output_dir), self._exported(),
-                                                                    merge_adapters, self.run_id), self.dist)
+            written = self._save_sharded_model(Path(output_dir))
+        else:
+            written = dist.main_process_first_result(lambda: _write_agents(Path(output_dir), self._exported(),
+                                                                           merge_adapters, self.run_id), self.dist)
+        self._note_final_model(written)
+        return written
+
+    def _note_final_model(self, folder: Path) -> None:
+        """CoMLRL 1.4.3 logs ``final_model_saved`` (the folder) to W&B when its model is saved; here
+        the W&B run of the last ``train()`` gets it in its summary (where the W&B API and the runs
+        table read a run's final values). A W&B failure is said, never raised: the model is saved."""
+        from ..tracking import active_trackers
+        from ..tracking.wandb import WandbSink
+
+        if self.wandb_identity is None or not self.dist.is_main or \
+                "wandb" not in active_trackers(self.args.report_to, self.wandb_config):
+            return
+        try:
+            sink = WandbSink(self.wandb_config or {}, {}, identity=self.wandb_identity)
+            sink.summarize({"final_model_saved": str(folder)})
+            sink.close()
+        except Exception as exc:  # noqa: BLE001 - the export is written; W&B missing one summary value is not fatal
+            logger.warning("comlrl: saved the model to %s but could not record final_model_saved in W&B run %s "
+                           "(%s: %s).", folder, self.wandb_identity.get("id"), type(exc).__name__, exc)
 
     def _save_sharded_model(self, target: Path) -> Path:
         """:meth:`save_model` of sharded agents: every process hands its shards to rank 0 (one agent at

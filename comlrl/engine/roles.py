@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence
 
 import torch
 
@@ -104,7 +104,8 @@ class RoleReward:
         self.reward, self.roles = reward, roles
         self.func = reward.func
 
-    def __call__(self, completions: Sequence[Sequence[str]], prompt: Any, item: Any) -> torch.Tensor:
+    def __call__(self, completions: Sequence[Sequence[str]], prompt: Any, item: Any,
+                 agent_prompts: Optional[Sequence[Any]] = None) -> torch.Tensor:
         split = [self.roles.split(c, item) for c in completions[0]]
         per_role = [[outputs[r] for outputs in split] for r in range(self.roles.num_roles)]
         return self.reward(per_role, self.roles.role_prompt(item, 0), item)

@@ -12,7 +12,9 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -46,6 +48,37 @@ __all__ = ["Trainer"]
 logger = logging.getLogger("comlrl")
 
 
+_WARNED: set[str] = set()  # deprecations said once per process
+
+
+def legacy_dataset_type(value: Any) -> Optional[str]:
+    """The ``dataset_type=`` argument of CoMLRL 1.3.9-1.4.2 trainers (1.4.3 refuses it): accepted,
+    recorded in the tracker run config as ``dataset_type``, and deprecated (said once per process).
+    It changes nothing in training; ``wandb_config["config_sections"]["dataset"]["type"]`` records
+    the same."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"dataset_type must be a string (e.g. 'humaneval'), got {type(value).__name__}; it is "
+                          "deprecated: put the type in wandb_config['config_sections']['dataset']['type'] instead.")
+    if "dataset_type" not in _WARNED:
+        _WARNED.add("dataset_type")
+        warnings.warn("dataset_type= is deprecated (CoMLRL 1.3.9-1.4.2 took it; 1.4.3 refuses it): comlrl "
+                      "accepts it, records it in the run config as dataset_type and otherwise ignores it. Drop the "
+                      "argument and put the type in wandb_config['config_sections']['dataset']['type'].", FutureWarning,
+                      stacklevel=_caller_stacklevel())
+    return value
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside comlrl (the user's trainer construction)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
 class Trainer(Evaluation, Persistence):
     """Base of every trainer (see the module docstring and docs/extending.md); a family sets
     ``config_class`` and ``algorithm_name`` and implements :meth:`collect` and
@@ -59,9 +92,12 @@ class Trainer(Evaluation, Persistence):
                  model_config: Optional[Mapping[str, Any]] = None, train_dataset: Any = None, eval_dataset: Any = None,
                  reward_func: Any = None, reward_processor: Any = None, formatters: Any = None,
                  external_transition: Any = None, wandb_config: Optional[Mapping[str, Any]] = None,
-                 eval_logger: Any = None, eval_aggregator: Any = None, peft_config: Any = None):
+                 eval_logger: Any = None, eval_aggregator: Any = None, peft_config: Any = None,
+                 dataset_type: Optional[str] = None):
         self.args = self._check_args(args)
         self.wandb_config = check_wandb_config(wandb_config)
+        self.dataset_type = legacy_dataset_type(dataset_type)
+        self._check_output_dir()
         if not callable(reward_func):
             raise ConfigError("reward_func must be a callable: f(completions1, ..., completionsN) -> list of floats.")
         count = agent_count(agent_model, agents, num_agents, self.args.num_agents)
@@ -88,13 +124,14 @@ class Trainer(Evaluation, Persistence):
         self._warn_count(count)
         self.reward_func, self.reward_processor = reward_func, reward_processor
         self.reward = RewardFunction(reward_func, self._reward_arity(), reward_processor,
-                                     per_agent=self._per_agent_rewards())
+                                     per_agent=self._per_agent_rewards(), agent_prompts=self._per_agent_rewards())
         self.formatters = build_formatter_list(formatters, self._prompted_count())
         self.external_transition = external_transition
         self.transition = ExternalTransition(external_transition, self.num_agents) \
             if external_transition is not None and self.args.num_turns > 1 else None
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.eval_logger, self.eval_aggregator = eval_logger, eval_aggregator
+        self._eval_callbacks()  # a logger that cannot take CoMLRL's arguments is refused now
         self._tables: dict[str, tuple[int, PromptTable]] = {}
         if train_dataset is not None:
             self._table("train")  # a formatter or prompt problem stops the run before it starts
@@ -131,6 +168,27 @@ class Trainer(Evaluation, Persistence):
             raise ConfigError(f"args must be a {self._accepted_config().__name__}, got {type(args).__name__}.")
         args.validate()
         return args
+
+    def _check_output_dir(self) -> None:
+        given = (self.wandb_config or {}).get("output_dir")
+        default = type(self.args).__dataclass_fields__["output_dir"].default
+        if given is not None and self.args.output_dir not in (default, str(given)):
+            raise ConfigError(f"wandb_config['output_dir']={str(given)!r} and args.output_dir={self.args.output_dir!r} "
+                              "both say where the run's outputs go; give one (args.output_dir is comlrl's, "
+                              "wandb_config['output_dir'] CoMLRL 1.4.3's).")
+
+    @property
+    def outputs_dir(self) -> Path:
+        """Where a run's files go when ``train()`` gets no ``checkpoint_dir`` (``metrics.jsonl``):
+        ``wandb_config["output_dir"]`` when given (CoMLRL 1.4.3's key), else ``args.output_dir``."""
+        given = (self.wandb_config or {}).get("output_dir")
+        return Path(given) if given is not None else Path(self.args.output_dir)
+
+    def legacy_outputs_dir(self) -> Optional[Path]:
+        """``wandb_config["output_dir"]`` (CoMLRL 1.4.3: the root of the preference family's output
+        folders, whatever the checkpoint_dir), or None."""
+        given = (self.wandb_config or {}).get("output_dir")
+        return Path(given) if given is not None else None
 
     def _accepted_config(self) -> type:
         return self.config_class
@@ -583,6 +641,8 @@ class Trainer(Evaluation, Persistence):
         names = active_trackers(self.args.report_to, self.wandb_config)
         run_config = {**self.args.to_dict(), "model_name": self.model_name, "num_agents": self.num_agents,
                       "algorithm": self.algorithm_name, **self._run_config_extra()}
+        if self.dataset_type is not None:  # recorded as CoMLRL 1.3.9-1.4.2 recorded it
+            run_config["dataset_type"] = self.dataset_type
         ctx = TrackerContext(folder=Path(folder), run_id=self.run_id,
                              resume_step=self.state.env_step if resumed else None, run_config=run_config,
                              identities={"wandb": self.wandb_identity, **self.tracker_identities},

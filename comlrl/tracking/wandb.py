@@ -1,7 +1,8 @@
 """Weights & Biases: one run, resumed across checkpoints, never sent a step twice.
 
 ``wandb_config`` takes CoMLRL's keys (``project``, ``entity``, ``name`` / ``run_name``, ``dir``,
-``tags``, ``id``, ``resume``, ``config_sections``) and ``wandb.init``'s other common ones. The
+``tags``, ``id``, ``resume``, ``config_sections``, and ``output_dir``: not W&B's, CoMLRL 1.4.3's
+folder for a run's own outputs, read by the trainer) and ``wandb.init``'s other common ones. The
 identity saved in a checkpoint is only ``id``, ``project`` and ``entity``, each a plain string:
 a checkpoint can never steer ``wandb.init`` anywhere else (a server URL, a directory, settings).
 """
@@ -23,7 +24,8 @@ __all__ = ["WandbSink", "check_wandb_config", "wandb_init_kwargs", "check_identi
 
 logger = logging.getLogger("comlrl")
 
-COMLRL_KEYS = {"project", "entity", "name", "run_name", "dir", "tags", "id", "resume", "config_sections"}
+COMLRL_KEYS = {"project", "entity", "name", "run_name", "dir", "tags", "id", "resume", "config_sections",
+               "output_dir"}
 PASSTHROUGH_KEYS = {"group", "job_type", "notes", "mode", "config", "resume_from", "fork_from", "save_code",
                     "reinit", "settings"}
 IDENTITY_KEYS = ("id", "project", "entity")
@@ -43,6 +45,10 @@ def check_wandb_config(wandb_config: Any) -> Optional[dict[str, Any]]:
     sections = wandb_config.get("config_sections")
     if sections is not None and not isinstance(sections, Mapping):
         raise ConfigError(f"wandb_config['config_sections'] must be a dict of dicts, got {type(sections).__name__}.")
+    output_dir = wandb_config.get("output_dir")
+    if output_dir is not None and (not isinstance(output_dir, (str, os.PathLike)) or not str(output_dir)):
+        raise ConfigError(f"wandb_config['output_dir'] must be a folder path (CoMLRL 1.4.3: where the run writes "
+                          f"its outputs), got {output_dir!r}.")
     return dict(wandb_config)
 
 
@@ -188,6 +194,10 @@ class WandbSink:
             return
         run.log({k: v for k, v in metrics.items() if k != "env_step"}, step=step)
         self.min_step = step
+
+    def summarize(self, values: Mapping[str, Any]) -> None:
+        """Set final values of the run (``run.summary``), e.g. ``final_model_saved`` after training."""
+        self._start().summary.update(dict(values))
 
     def sync(self) -> None:
         """Nothing to do: W&B streams (or writes offline) on its own."""

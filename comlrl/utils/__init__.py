@@ -10,7 +10,8 @@ from .reference_kl import (clone_reference_models, load_reference_models_from_so
                            reference_kl_enabled, reference_kl_for_sequence, resolve_reference_devices,
                            validate_reference_kl_config)
 from .reward_processor import RewardProcessors
-from .reward_utils import call_reward_function, normalize_reward_lengths, resolve_reward_range, set_reward_range
+from .reward_utils import (batched_reward, call_reward_function, normalize_reward_lengths, resolve_reward_range,
+                           set_reward_range)
 from .tokenizer_utils import apply_tokenizer_specials, ensure_pad_token, ensure_tokenizer, resolve_tokenizers
 
 __all__ = [
@@ -21,6 +22,6 @@ __all__ = [
     "clone_reference_models", "load_reference_models_from_sources", "reference_kl_coef", "reference_kl_enabled",
     "reference_kl_for_sequence", "resolve_reference_devices", "validate_reference_kl_config",
     "RewardProcessors",
-    "call_reward_function", "normalize_reward_lengths", "resolve_reward_range", "set_reward_range",
+    "call_reward_function", "batched_reward", "normalize_reward_lengths", "resolve_reward_range", "set_reward_range",
     "DistributedContext", "local_context", "unwrap_model",
 ]

@@ -1,44 +1,54 @@
 """Reward helpers with CoMLRL's semantics: calling a reward function, reward ranges, lengths.
 
-Trainers call the reward function through :class:`comlrl.engine.rewards.RewardFunction`, which
-binds the arguments once from the signature. :func:`call_reward_function` keeps CoMLRL's
-call-time protocol for code that uses it directly: the same binding read from the signature,
-and on a ``TypeError`` one retry with the completion lists alone; with no readable signature it
-tries ``f(*lists, batch_items=...)``, ``f(*lists)`` and ``f(lists)`` in turn.
+:func:`call_reward_function` is the trainers' own binding (:mod:`comlrl.engine.rewards`), for
+code that calls a reward function directly: the same reading of the signature, the same clear
+error when the function cannot take the arguments, one call with the lists as given.
+:func:`batched_reward` marks a reward that trainers should call once per task item.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from ..engine.rewards import plan_reward_call, to_float_list
+from ..engine.rewards import (BATCHED_ATTRIBUTE, RewardCall, check_reward_binding, plan_reward_call,
+                              to_float_list)
 
-__all__ = ["call_reward_function", "normalize_reward_lengths", "resolve_reward_range", "set_reward_range"]
+__all__ = ["call_reward_function", "batched_reward", "normalize_reward_lengths", "resolve_reward_range",
+           "set_reward_range"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def call_reward_function(reward_func: Callable, prompts: Sequence[Any], agent_completions: Sequence[Sequence[str]],
                          *, num_agents: int, batch_items: Optional[Sequence[Any]] = None,
-                         signature: Any = None) -> list[float]:
-    """Call ``reward_func`` on one list of completions per agent; returns its values as floats."""
-    lists = [c for c in agent_completions]
-    plan = plan_reward_call(reward_func, num_agents, strict=False)
-    if plan is None:
-        attempts = ([((*lists,), {"batch_items": batch_items})] if batch_items is not None else []) + \
-                   [((*lists,), {}), ((lists,), {})]
-    else:
-        args, kwargs = plan.args(lists, list(prompts), None if batch_items is None else list(batch_items))
-        attempts = [(tuple(args), kwargs), ((*lists,), {})]
-    first: Optional[TypeError] = None
-    for args, kwargs in attempts:
-        try:
-            values = reward_func(*args, **kwargs)
-        except TypeError as exc:
-            first = first or exc
-            continue
-        return [float(v) for v in to_float_list(values)]
-    raise first  # type: ignore[misc]
+                         signature: Optional[inspect.Signature] = None) -> list[float]:
+    """Call ``reward_func`` once on one list of completions per agent; returns its values as floats.
+
+    Args:
+        prompts: passed as ``prompts`` (or as the leading positional list), as given.
+        agent_completions: ``[num_agents][J]`` completion strings.
+        batch_items: passed as ``batch_items`` when the function takes it (None: not passed).
+        signature: the function's signature, if already read.
+    Raises:
+        RewardError: the function cannot take these arguments (before calling it). An exception
+            raised inside the function propagates unchanged; it is never called a second time.
+    """
+    call = plan_reward_call(reward_func, num_agents, signature) or RewardCall()
+    check_reward_binding(reward_func, call, num_agents, signature)
+    args, kwargs = call.args(agent_completions, prompts, batch_items)
+    return [float(v) for v in to_float_list(reward_func(*args, **kwargs))]
+
+
+def batched_reward(reward_func: F) -> F:
+    """Mark ``reward_func`` to be called once per task item and turn with all of its joint actions
+    (``prompts`` and ``batch_items`` repeated to the same length) instead of once per joint action
+    (CoMLRL 1.4.3's call, the default); returns it. For a callable object, set the class attribute
+    ``reward_batched = True`` instead."""
+    setattr(reward_func, BATCHED_ATTRIBUTE, True)
+    return reward_func
 
 
 def normalize_reward_lengths(rewards: Sequence[Any], *, num_agents: int, num_generations: int,

@@ -87,6 +87,8 @@ class CodeCollabReward:
     the trainer passes with the item's row as ``batch_items=[row]``.
     """
 
+    reward_batched = True  # one call per task item: its programs are checked in one sandbox batch
+
     def __init__(self, sandbox: Sandbox, levels: CollabLevels, helper_name: str):
         self.sandbox = sandbox
         self.levels = tuple(vars(levels).items())  # plain data: part of the reward's fingerprint
@@ -110,6 +112,8 @@ class CodeCollabReward:
 class PassRateReward:
     """``reward(mains, *, batch_items)`` or ``reward(helpers, mains, *, batch_items)``: the fraction
     of the task's tests the program passes (one agent's function, or the joint program)."""
+
+    reward_batched = True  # one call per task item: its programs are checked in one sandbox batch
 
     def __init__(self, sandbox: Sandbox, helper_name: str):
         self.sandbox, self.helper_name = sandbox, helper_name

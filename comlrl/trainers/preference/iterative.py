@@ -121,7 +121,7 @@ class _Iterative:
         metrics, which is never a symbolic link (written through, it would overwrite elsewhere)."""
         if configured:
             return Path(configured)
-        folder = (self._root or Path(self.args.output_dir)) / name
+        folder = (self._root or self.outputs_dir) / name
         refuse_link(folder, f"the {name} folder", CheckpointDirError)
         return folder
 
@@ -137,7 +137,7 @@ class _Iterative:
         return self._iteration >= self.args.num_iterations
 
     def _run_schedule(self, loop: Any, progress: Any) -> None:
-        self._root = loop.checkpoint_dir or Path(self.args.output_dir)
+        self._root = self.legacy_outputs_dir() or loop.checkpoint_dir or self.outputs_dir
         while self._iteration < self.args.num_iterations:
             self._set_id = self._iteration
             if self._phase == "pairs":

@@ -50,7 +50,7 @@ class MADPOTrainer(Trainer):
     Args (CoMLRL 1.4.3's, in its order): as :class:`~comlrl.trainers.reinforce.MAGRPOTrainer`,
     with a :class:`MADPOConfig`; and ``centralized_comparator_adapter`` (keyword): the adapter of
     ``collaboration_mode="centralized"`` (default :class:`TaggedCentralizedComparatorAdapter`),
-    ``peft_config``: LoRA agents on one base.
+    ``peft_config``: LoRA agents on one base; ``dataset_type``: deprecated, as for MAGRPO.
     """
 
     config_class = MADPOConfig
@@ -66,7 +66,8 @@ class MADPOTrainer(Trainer):
                  formatters: Any = None, external_transition: Optional[Callable[..., Any]] = None,
                  wandb_config: Optional[Mapping[str, Any]] = None, eval_logger: Optional[Callable] = None,
                  eval_aggregator: Optional[Callable] = None, args: Optional[MADPOConfig] = None, *,
-                 centralized_comparator_adapter: Any = None, peft_config: Any = None):
+                 centralized_comparator_adapter: Any = None, peft_config: Any = None,
+                 dataset_type: Optional[str] = None):
         args = self._check_args(args)
         adapter = centralized_comparator_adapter if centralized_comparator_adapter is not None \
             else TaggedCentralizedComparatorAdapter()
@@ -96,7 +97,8 @@ class MADPOTrainer(Trainer):
                          tokenizer=tokenizer, model_config=model_config, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, reward_func=reward_func, reward_processor=reward_processor,
                          formatters=formatters, external_transition=external_transition, wandb_config=wandb_config,
-                         eval_logger=eval_logger, eval_aggregator=eval_aggregator, peft_config=peft_config)
+                         eval_logger=eval_logger, eval_aggregator=eval_aggregator, peft_config=peft_config,
+                         dataset_type=dataset_type)
         self._phase = "pairs"          # "pairs": the pair set is still to be made; "train": DPO epochs
         self._pair_set: Optional[PairSet] = None
         self._set_id = 0               # which pair set (the iterative variants make one per iteration)

@@ -60,6 +60,8 @@ class MAGRPOTrainer(Trainer):
         args: a :class:`MAGRPOConfig` (defaults if None).
         peft_config: a ``peft.LoraConfig``: the agents become LoRA adapters on ONE frozen base
             ``agent_model`` (see :mod:`comlrl.adapters`).
+        dataset_type: deprecated (CoMLRL 1.3.9-1.4.2's argument, refused by 1.4.3): accepted with a
+            one-time ``FutureWarning``, recorded in the run config, otherwise ignored.
     """
 
     config_class = MAGRPOConfig
@@ -73,12 +75,13 @@ class MAGRPOTrainer(Trainer):
                  formatters: Any = None, external_transition: Optional[Callable[..., Any]] = None,
                  wandb_config: Optional[Mapping[str, Any]] = None, eval_logger: Optional[Callable] = None,
                  eval_aggregator: Optional[Callable] = None, args: Optional[MAGRPOConfig] = None, *,
-                 peft_config: Any = None):
+                 peft_config: Any = None, dataset_type: Optional[str] = None):
         super().__init__(args=args, agent_model=agent_model, agents=agents, num_agents=num_agents,
                          tokenizer=tokenizer, model_config=model_config, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, reward_func=reward_func, reward_processor=reward_processor,
                          formatters=formatters, external_transition=external_transition, wandb_config=wandb_config,
-                         eval_logger=eval_logger, eval_aggregator=eval_aggregator, peft_config=peft_config)
+                         eval_logger=eval_logger, eval_aggregator=eval_aggregator, peft_config=peft_config,
+                         dataset_type=dataset_type)
         self.advantage_mode = self.args.advantage_mode
         if self.args.advantage_mode != type(self).config_class().advantage_mode:
             logger.info("comlrl: %s trains with advantage_mode=%r from its config.", type(self).__name__,
