@@ -6,8 +6,10 @@ against one batched call per task item (``comlrl.utils.batched_reward``).
 Trains the seed workload (2 agents, 4 prompts, num_generations 4, 64 new tokens, 1 turn) with the
 seed's reward in both call shapes, alternating, in one process (a fresh trainer per run from the
 same saved model), and prints the median seconds per epoch and score-phase seconds per epoch of
-each shape with their ratio. Then times the reward path alone (``RewardFunction`` on one task
-item's 4 joint actions) in both shapes.
+each shape with their ratio, and what the per-joint-action calls add to the score phase (fastest
+run of each, the least disturbed by other processes) as a share of an epoch. Then times the reward
+path alone (``RewardFunction`` on one task item's 4 joint actions, averaged over ``--calls``) in
+both shapes: the steadiest figure on a loaded machine.
 """
 
 import argparse
@@ -85,11 +87,13 @@ def main() -> None:
           f"tokens; {args.epochs} epochs per run, {args.runs} runs per call shape, alternating")
     for name in SHAPES:
         runs = ", ".join(f"{t:.3f}" for t in times[name])
-        scored = statistics.median(score[name]) * 1e3
-        print(f"{name:>17}: {statistics.median(times[name]):.3f} s/epoch (runs {runs}); "
-              f"score phase {scored:.2f} ms/epoch")
+        print(f"{name:>17}: {statistics.median(times[name]):.3f} s/epoch (runs {runs}); score phase "
+              f"{min(score[name]) * 1e3:.2f} ms/epoch (fastest run; median {statistics.median(score[name]) * 1e3:.2f})")
     ratio = statistics.median(times["per joint action"]) / statistics.median(times["batched"])
-    print(f"per joint action / batched: {ratio:.3f} x the time per epoch")
+    extra = min(score["per joint action"]) - min(score["batched"])
+    print(f"per joint action / batched: {ratio:.3f} x the time per epoch (whole-epoch times include the machine's "
+          f"noise); the score phase (fastest runs) costs {extra * 1e3:+.2f} ms/epoch more, "
+          f"{100 * extra / min(times['batched']):+.3f}% of the fastest epoch")
     micro = reward_path(args.calls)
     print("reward path alone (RewardFunction, 4 joint actions of one task item): " +
           ", ".join(f"{name} {us:.1f} us" for name, us in micro.items()) +

@@ -293,3 +293,15 @@ def test_save_model_records_final_model_saved_in_the_wandb_run(make_trainer, tmp
     assert len(runs) == 2 and runs[1].id == runs[0].id and runs[1].kwargs["resume"] == "allow"
     assert runs[1].summary == {"final_model_saved": str(saved)} and runs[1].rows == []
     assert (saved / "agent_0" / "config.json").is_file()
+
+
+def test_comlrls_own_rewards_opt_into_batched_calls():
+    """The code task checks a call's programs in one sandbox batch and MARLHF's learned reward
+    scores a task item's joint answers in one reward-model forward: both stay batched."""
+    from comlrl.engine.rewards import reward_is_batched
+    from comlrl.tasks.code.rewards import CodeCollabReward, PassRateReward
+    from comlrl.trainers.preference.marlhf import MARLHFTrainer
+
+    assert CodeCollabReward.reward_batched and PassRateReward.reward_batched
+    assert reward_is_batched(MARLHFTrainer._learned_reward)
+    assert not reward_is_batched(stand_ins.varargs_rows)  # everyone else: CoMLRL 1.4.3's call

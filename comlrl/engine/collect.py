@@ -2,8 +2,9 @@
 a batch of prompts in, the played episode tree out.
 
 :class:`Collector` knows how the agents sample (the rollout backend, sampling settings, chat
-rendering, per-row seeds), how joint actions are formed, how the reward is called (one call per
-task item and turn) and how an external transition's prompts are formatted for the next turn.
+rendering, per-row seeds), how joint actions are formed, how the reward is called (per task item and
+turn, through :class:`~comlrl.engine.rewards.RewardFunction`: once per joint action, or once when
+batched) and how an external transition's prompts are formatted for the next turn.
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ class Collector:
                 for a, ro in enumerate(rollouts)]
 
     def score(self, nodes: list[Node], completions: list[list[str]], batch: PromptBatch, joint: int) -> torch.Tensor:
-        """``[nodes * J]`` rewards: one reward call per node, with that task item's J joint actions
-        (``[N, nodes * J]`` when the reward gives each agent its own)."""
+        """``[nodes * J]`` rewards (``[N, nodes * J]`` when the reward gives each agent its own): each
+        node's J joint actions through :class:`~comlrl.engine.rewards.RewardFunction` (one call per
+        joint action, or one batched call), with the node's prompts and its task item's row."""
         out = []
         for i, node in enumerate(nodes):
             part = [c[i * joint:(i + 1) * joint] for c in completions]

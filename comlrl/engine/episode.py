@@ -2,7 +2,7 @@
 
 Turn 1 has one node per prompt. At a node every agent samples K completions; the node's joint
 actions (K aligned, K**N cross, see :mod:`comlrl.functional.joint`) are scored by the reward
-function, one call per node. A node whose mean reward is above ``early_termination_threshold``
+function, node by node. A node whose mean reward is above ``early_termination_threshold``
 ends its branch; otherwise, before the last turn, every joint action becomes a child node of the
 next turn, prompted with what the user's ``external_transition`` makes of that joint answer.
 Returns over the tree are computed by :func:`comlrl.functional.returns.discounted_returns`.

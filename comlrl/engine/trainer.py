@@ -181,8 +181,7 @@ class Trainer(Evaluation, Persistence):
     def outputs_dir(self) -> Path:
         """Where a run's files go when ``train()`` gets no ``checkpoint_dir`` (``metrics.jsonl``):
         ``wandb_config["output_dir"]`` when given (CoMLRL 1.4.3's key), else ``args.output_dir``."""
-        given = (self.wandb_config or {}).get("output_dir")
-        return Path(given) if given is not None else Path(self.args.output_dir)
+        return self.legacy_outputs_dir() or Path(self.args.output_dir)
 
     def legacy_outputs_dir(self) -> Optional[Path]:
         """``wandb_config["output_dir"]`` (CoMLRL 1.4.3: the root of the preference family's output

@@ -225,6 +225,8 @@ class MARLHFTrainer(MADPOTrainer):
         self._task_rewards.extend(float(t) for t in task)
         return [float(s) for s in scores]
 
+    _learned_reward.reward_batched = True  # one reward-model forward for a task item's joint answers
+
     def _encode(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded token rows of the reward model (each cut to its last reward_max_length
         tokens, or the backbone's context)."""

@@ -3,7 +3,7 @@
 One buffer of prompts::
 
     rollout    every agent samples K completions per node of the episode tree, batched
-    score      the reward function scores each node's joint actions (one call per task item)
+    score      the reward function scores each node's joint actions (one call per joint action, as CoMLRL)
     advantage  tree returns; per agent, its return relative to its group (the node's K samples)
     update     per optimizer step of train_batch_size prompts, per agent: the policy-gradient loss
                (with the reference-KL penalty on the returns when enabled), backward, AdamW
