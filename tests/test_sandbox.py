@@ -1,9 +1,10 @@
 """comlrl.sandbox against hostile programs, in every mode this machine allows.
 
 Each test runs on the full sandbox and, where the layer in question has a fallback, with the
-mechanism forced off (``disable=``) so the degraded path is tested too. Layers this machine cannot
-provide are skipped with the reason. Time bounds are generous: they check that a limit ends a run,
-not how fast.
+mechanism forced off (``disable=``) so the degraded path is tested too (the modes and fixtures are
+in sandbox_support.py, shared with the focused files tests/test_sandbox_*.py). Layers this machine
+cannot provide are skipped with the reason. Time bounds are generous: they check that a limit ends
+a run, not how fast.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import os
 import pickle
 import socket
 import tempfile
-import textwrap
 import threading
 import time
 from pathlib import Path
@@ -21,44 +21,7 @@ import pytest
 
 from comlrl.exceptions import ConfigError, SandboxError
 from comlrl.sandbox import LAYERS, ExecResult, Sandbox, TestReport
-
-MODES = {
-    "full": (),
-    # no PID namespace: kill_tree falls back to the subreaper sweep
-    "no_pidns": ("pid_namespace",),
-    # what a user without namespaces gets: Landlock + seccomp only
-    "plain": ("pid_namespace", "uid_drop", "network_namespace", "mount_namespace", "user_namespace"),
-}
-
-
-def _sandbox(request, **kw):
-    box = Sandbox(**kw)
-    request.addfinalizer(box.close)
-    return box
-
-
-@pytest.fixture(scope="module")
-def boxes():
-    made = {name: Sandbox(timeout_s=2, workers=2, disable=off) for name, off in MODES.items()}
-    yield made
-    for box in made.values():
-        box.close()
-
-
-@pytest.fixture(params=list(MODES))
-def box(request, boxes):
-    return boxes[request.param]
-
-
-def need(box, *layers):
-    have = box.isolation()
-    missing = [name for name in layers if not have[name]]
-    if missing:
-        pytest.skip(f"layer(s) {missing} not available here: {box.isolation_details()}")
-
-
-def code(text: str) -> str:
-    return textwrap.dedent(text).strip() + "\n"
+from sandbox_support import MODES, box, boxes, code, make_sandbox as _sandbox, need, planted  # noqa: F401
 
 
 # --- settings --------------------------------------------------------------------------------------
@@ -234,15 +197,6 @@ def test_fresh_working_directory_removed_afterwards(box):
     assert not os.path.exists(os.path.join(where, "left-behind.txt"))
     again = box.run("import os; print(os.getcwd())")
     assert again.stdout.strip() != where
-
-
-def planted(folder: Path, name: str, text: str, mode: int) -> Path:
-    """A file the program's user could reach by permissions alone (``mode`` for it and its folder)."""
-    path = folder / name
-    path.write_text(text)
-    os.chmod(folder, mode | 0o111)
-    os.chmod(path, mode)
-    return path
 
 
 def test_no_writes_outside_the_working_directory(box, tmp_path):
@@ -1092,8 +1046,9 @@ def _nobody_python(env):
 @pytest.mark.skipif(os.geteuid() != 0, reason="switches to an unprivileged user to test that mode (needs root)")
 @pytest.mark.slow
 def test_every_hostile_program_as_an_unprivileged_user():
-    """A user's machine: not root. This whole file again as uid 65534: user namespaces where the
-    kernel allows them, and the "plain" mode (Landlock and seccomp only) as a non-root user would get it."""
+    """A user's machine: not root. This file and the focused ones (tests/test_sandbox_*.py) again as
+    uid 65534: user namespaces where the kernel allows them, and the "plain" mode (Landlock and
+    seccomp only) as a non-root user without them would get it."""
     import shutil
     import subprocess
     import sys
@@ -1107,6 +1062,7 @@ def test_every_hostile_program_as_an_unprivileged_user():
     if python is None:
         pytest.skip("no Python with this run's packages that an unprivileged user may run")
     proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-m", "pytest",
-                           str(Path(__file__)), "-q", "-p", "no:cacheprovider", "-k", "not unprivileged"],
-                          capture_output=True, text=True, env=env, timeout=900, cwd="/tmp")
+                           *sorted(str(p) for p in Path(__file__).parent.glob("test_sandbox*.py")), "-q",
+                           "-p", "no:cacheprovider", "-k", "not unprivileged"],
+                          capture_output=True, text=True, env=env, timeout=1800, cwd="/tmp")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
