@@ -157,3 +157,27 @@ def test_the_sweep_has_no_round_limit(monkeypatch):
     monkeypatch.setattr(server.time, "sleep", lambda s: None)
     server._sweep()
     assert world.alive == set()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="unshares a PID namespace in a helper (needs root)")
+def test_the_pid_namespace_helper_returns_while_its_child_lives():
+    """The helper path (a user namespace's): the child it forked held the pipe the caller reads to
+    its end, so the call waited for the child to exit, and a handler waiting to be released by
+    the zygote never was (every request of an unprivileged user's worker hung until its timeout)."""
+    from comlrl.sandbox._runtime import layers, osapi
+
+    tester = os.fork()
+    if tester == 0:  # a subreaper of its own (as the zygote is): the helper's child comes back to it
+        code = 3
+        try:
+            osapi.prctl(osapi.PR_SET_CHILD_SUBREAPER, 1)
+            z = layers.Zygote(base_dir="/tmp", limits={}, pid_helper=True)
+            start = time.monotonic()
+            pid = layers.fork_in_new_pid_namespace(z, lambda: (time.sleep(3), os._exit(0)))
+            code = 0 if time.monotonic() - start < 2.0 else 1
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(tester, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the helper waited for its child"

@@ -400,7 +400,7 @@ def fork_in_new_pid_namespace(z: Zygote, target) -> int:
         try:
             os.close(read)
             osapi.unshare(osapi.CLONE_NEWPID)
-            os.write(write, str(_fork(target)).encode())
+            os.write(write, str(_fork(target, close=write)).encode())
         finally:
             os._exit(0)
     os.close(write)
@@ -435,10 +435,14 @@ def mount_own_proc() -> None:
     osapi.mount("proc", "/proc", "proc", osapi.MS_RDONLY | osapi.MS_NOSUID | osapi.MS_NODEV | osapi.MS_NOEXEC)
 
 
-def _fork(target) -> int:
+def _fork(target, close: Optional[int] = None) -> int:
+    """Fork ``target()``; the child first closes ``close`` (the helper's pipe: the caller reads
+    it to its end, which must not wait for the child to exit)."""
     pid = os.fork()
     if pid == 0:
         try:
+            if close is not None:
+                os.close(close)
             target()
         finally:
             os._exit(71)

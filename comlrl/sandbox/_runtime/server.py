@@ -98,8 +98,8 @@ def _fork_handler(z, token: tuple[int, int], life: tuple[int, int]) -> int:
 
 
 def _handle(z, token: tuple[int, int], life: tuple[int, int], gate: tuple[int, int]) -> None:
-    """H: set up what needs no request (namespaces, working directory: while a spare), take the
-    token, read one request, pass the token on, serve the request, answer, exit."""
+    """H: set up what needs no request (its namespaces: while a spare), take the token, read one
+    request, pass the token on, serve the request, answer, exit."""
     os.close(gate[1])
     os.close(life[1])
     os.read(gate[0], 1)
@@ -110,17 +110,16 @@ def _handle(z, token: tuple[int, int], life: tuple[int, int], gate: tuple[int, i
     osapi.prctl(osapi.PR_SET_CHILD_SUBREAPER, 1)         # orphans of the request come back here
     gc.disable()  # short-lived: no collection to copy the zygote's pages for
     layers.enter_request(z)
-    workdir = _workdir(z)
     children = _Children()
-    header = None
-    if os.read(token[0], 1):
-        try:
-            header = frames.read_frame(0)
-        except frames.Closed:
-            pass
-    if header is None:
-        _remove(z, workdir)
+    if not os.read(token[0], 1):
         os._exit(_CLOSED)
+    try:
+        header = frames.read_frame(0)
+    except frames.Closed:
+        os._exit(_CLOSED)
+    # Made only now: a working directory made ahead would exist while the previous request runs
+    # (under the same uid), for it to leave files in.
+    workdir = _workdir(z)
     layers.refresh(z)
     if header["op"] == "run":
         _pass(token)
