@@ -8,7 +8,9 @@
 
     python benchmarks/sandbox_bench.py [--workers 2] [--repeat 1]
 
-Also prints the per-run overhead of the sandbox (an empty program) and its isolation layers.
+Also prints the sandbox's CPU time per check (all its processes: unlike checks/s, it does not
+move with the load other jobs put on the machine), its per-run overhead (an empty program) and
+its isolation layers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 import contextlib
 import io
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -30,20 +33,47 @@ def problems():
     return list(load_humaneval())
 
 
-def bench_sandbox(rows, workers: int) -> tuple[float, int]:
-    from comlrl.sandbox import Sandbox
+def _items(rows) -> list:
     from comlrl.tasks.code import tests_for
     from comlrl.tasks.code.program import check_item
 
     # as the reward checks them: the prompt's helpers in the judge, only the entry point exported
-    items = [check_item(r["prompt"] + r["canonical_solution"], tests_for(r), r["prompt"], r["entry_point"])
-             for r in rows]
+    return [check_item(r["prompt"] + r["canonical_solution"], tests_for(r), r["prompt"], r["entry_point"])
+            for r in rows]
+
+
+def bench_sandbox(rows, workers: int) -> tuple[float, int]:
+    from comlrl.sandbox import Sandbox
+
+    items = _items(rows)
     with Sandbox(timeout_s=5, workers=workers) as box:
         box.run_many(["pass"] * workers)  # start the workers outside the timing
         start = time.perf_counter()
         reports = box.check_many(items)
         elapsed = time.perf_counter() - start
     return elapsed, sum(r.all_passed for r in reports)
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # reaped descendants: a closed sandbox's whole tree
+    return usage.ru_utime + usage.ru_stime
+
+
+def sandbox_cpu_per_check(rows, workers: int) -> float:
+    """CPU seconds the sandbox's processes spend per check: the 164 checks, less a sandbox that
+    starts and stops its workers only."""
+    from comlrl.sandbox import Sandbox
+
+    items = _items(rows)
+    used = []
+    for work in (False, True):
+        before = _children_cpu()
+        with Sandbox(timeout_s=5, workers=workers) as box:
+            box.run_many(["pass"] * workers)
+            if work:
+                box.check_many(items)
+        used.append(_children_cpu() - before)
+    return (used[1] - used[0]) / len(items)
 
 
 class _Timeout(Exception):
@@ -103,7 +133,10 @@ def main() -> None:
         layers = box.isolation()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, uid {os.geteuid()}, commit {commit}")
+    import comlrl
+
+    print(f"machine: {os.cpu_count()} CPUs, python {sys.version.split()[0]}, uid {os.geteuid()}, commit {commit}, "
+          f"comlrl from {os.path.dirname(os.path.dirname(os.path.abspath(comlrl.__file__)))}")
     print("sandbox layers on: " + ", ".join(k for k, v in layers.items() if v))
     print("sandbox layers off: " + (", ".join(k for k, v in layers.items() if not v) or "none"))
     results = {}
@@ -117,6 +150,7 @@ def main() -> None:
     for name, (elapsed, passed) in results.items():
         rate = len(rows) / elapsed
         print(f"{name:<30} {rate:>9.1f} {rate / base:>13.2f}x {passed:>12}/{len(rows)}")
+    print(f"sandbox CPU per check (all its processes): {sandbox_cpu_per_check(rows, args.workers) * 1000:.1f} ms")
     print(f"sandbox per-run overhead (empty program, 1 worker): {overhead() * 1000:.1f} ms")
 
 

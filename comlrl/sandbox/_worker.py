@@ -37,7 +37,7 @@ _BOOT = (
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONHASHSEED": "0",
         "PYTHONDONTWRITEBYTECODE": "1"}
 _SLACK_S = 30.0  # beyond a request's own deadline, before a silent worker is given up
-_SEND_S = 30.0   # for the zygote to take in a request (it reads each one as soon as it is idle)
+_SEND_S = 30.0   # for the worker to take in a request (a handler reads each one as soon as the last is done)
 
 
 class Worker:

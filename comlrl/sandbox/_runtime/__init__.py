@@ -8,10 +8,12 @@ loads this folder by path under the name ``comlrl_sandbox_runtime`` (see
 
 Processes of one worker::
 
-    zygote Z   (long-lived; pre-imported; namespaces set up once; a child subreaper)
+    zygote Z   (long-lived; pre-imported; namespaces set up once; never reads a request)
       per request:
-      init T   (first process of the request's PID, IPC namespaces and the worker's cgroup; forks
-                and kills the program)
-        program U   (untrusted: restricted, then runs the code or serves calls to its functions)
-      judge J  (check only: runs the tests, calling U's functions over a pipe; reports to Z)
+      handler H  (forked before the request arrives, waiting on a gate; reads this one request,
+                  serves and answers it, exits; a child subreaper)
+        init T   (first process of the request's PID, IPC and mount namespaces and the worker's
+                  cgroup; forks and kills the program)
+          program U   (untrusted: restricted, then runs the code or serves calls to its functions)
+        judge J  (check only: runs the tests, calling U's functions over a pipe; reports to H)
 """

@@ -100,9 +100,10 @@ class RunGroup:
 
 def _kill_members(members) -> None:
     """SIGKILL the members, again while new ones appear (one may fork as we go; those already
-    killed may stay listed until they are reaped)."""
+    killed may stay listed until they are reaped). No round limit: a killed process forks no
+    more, and pids.max bounds how many can appear while we go round."""
     killed: set[int] = set()
-    for _ in range(100):
+    while True:
         pids = [pid for pid in members() if pid not in killed]
         if not pids:
             return

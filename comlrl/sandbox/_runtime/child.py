@@ -1,29 +1,36 @@
-"""The init of a request (T) and the untrusted program (U).
+"""The untrusted program (U), as the request's handler forks it.
 
-T is forked before the judge's tests are read, so neither it nor any program it forks ever holds
-them. ``run``: T forks the program once, reports its wait status and exits (in a PID namespace its
-exit kills everything the program left). ``check``: T forks a program whenever the judge asks
-(``spawn``) and hands the judge its ends of two fresh pipes; the program loads the code, then
-serves calls to its functions.
+The handler holds its own request's header and nothing of any other request, and a check's tests
+never (its judge reads them), so no program ever holds another request's bytes or its own
+tests. ``run``: the handler forks the program once; it runs the code as ``python program.py``
+would (its non-daemon threads waited for, then its atexit handlers, all within the run's time).
+``check``: the handler forks a program whenever the judge asks (:func:`spawn`) and hands the
+judge its ends of two fresh pipes; the program loads the code, then serves calls to its
+functions. Each program process joins the run's cgroup and Landlock's read rules first, then is
+restricted (:func:`.layers.restrict`).
 """
 
 from __future__ import annotations
 
+import atexit
 import builtins
+import gc
+import linecache
 import os
 import random
-import select
 import signal
 import socket
 import sys
+import threading
 import traceback
 from typing import Any
 
-from . import codec, frames, layers, osapi
+from . import codec, frames, layers
 
-__all__ = ["init_run", "init_check", "describe", "clean_text"]
+__all__ = ["program_run", "spawn", "kill_group", "as_forked", "describe", "clean_text"]
 
 _LOADED_NAME = "solution"  # __name__ of checked code: `if __name__ == "__main__":` blocks do not run
+_FILENAME = "<program>"    # the program's file name in tracebacks
 
 
 def _close_other_fds(keep: set[int]) -> None:
@@ -45,19 +52,6 @@ def _move_fds(fds: dict[int, int]) -> None:
             os.close(fd)
 
 
-def _reap(block: bool = False) -> list[tuple[int, int]]:
-    done = []
-    while True:
-        try:
-            pid, status = os.waitpid(-1, 0 if block else os.WNOHANG)
-        except ChildProcessError:
-            return done
-        if pid == 0:
-            return done
-        done.append((pid, status))
-        block = False
-
-
 def clean_text(text: str) -> str:
     """``text`` as valid UTF-8: a program's lone surrogates (``chr(0xD800)``) become "?" (they would
     crash a tokenizer once its error message is part of the next prompt)."""
@@ -76,49 +70,19 @@ def describe(exc: BaseException) -> str:
 
 # --- run ------------------------------------------------------------------------------------------
 
-def _end_with_zygote(z) -> None:
-    """Die with the zygote (and so end the request's PID namespace). Not possible where the init
-    was forked by a short-lived helper (its death would fire the signal at once): there the init's
-    own deadline and the judge's hang-up end the request."""
-    if not z.pid_helper:
-        osapi.prctl(osapi.PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def _deadline(program: int, seconds: float) -> None:
-    """Kill the program and exit after ``seconds``, whatever the zygote does (a backstop)."""
-    def expire(signum, frame):
-        _kill_group(program)
-        os._exit(0)
-    signal.signal(signal.SIGALRM, expire)
-    signal.alarm(max(1, int(seconds + 0.999)))
-
-
-def init_run(z, code: str, workdir: str, stdin_fd: int, out_w: int, err_w: int, status_w: int, tag_w: int) -> None:
-    """T of a run: fork the program, report its wait status on ``status_w``, exit."""
-    layers.enter_request(z)
-    _move_fds({stdin_fd: 0, out_w: 1, err_w: 2, status_w: 3, tag_w: 4})
-    _close_other_fds({3, 4})
-    _end_with_zygote(z)
-    pid = os.fork()
-    if pid == 0:
-        os.close(3)
-        try:
-            _program_run(z, code, workdir)
-        except BaseException:  # setting up the program failed (a sandbox bug): say why on its stderr
-            _print_exception()
-        finally:
-            os._exit(70)
-    os.close(4)
-    for fd in (0, 1, 2):
-        os.close(fd)
-    _deadline(pid, float(z.limits["timeout_s"]) + 5)
-    while True:
-        for child, status in _reap(block=True) or [(None, None)]:
-            if child == pid:
-                frames.write_all(3, f"{status}\n".encode())
-                os._exit(0)
-            if child is None:
-                os._exit(0)
+def program_run(z, code: str, workdir: str, stdin_fd: int, out_w: int, err_w: int, tag_w: int) -> None:
+    """U of a run: in the run's cgroup and read rules (through descriptors that the next steps
+    close), its input, output and memory-tag pipe in place, the code run as a program."""
+    layers.enter_program(z)
+    _move_fds({stdin_fd: 0, out_w: 1, err_w: 2, tag_w: 4})
+    _close_other_fds({4})
+    try:
+        _program_run(z, code, workdir)
+    except BaseException:  # setting up the program failed (a sandbox bug): say why on its stderr
+        traceback.print_exc()
+        _flush()
+    finally:
+        os._exit(70)
 
 
 def _program_run(z, code: str, workdir: str) -> None:
@@ -127,20 +91,43 @@ def _program_run(z, code: str, workdir: str) -> None:
     sys.argv = ["program"]
     sys.stdin = open(0, "r", closefd=False)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
+    status = 0
     try:
-        exec(compile(code, "<program>", "exec"), namespace)
+        exec(_compile(code), namespace)
     except SystemExit as exc:
-        _flush()
-        os._exit(_exit_code(exc.code))
+        status = _exit_code(exc.code)
     except MemoryError:
         os.write(4, b"M")
         _print_exception()
-        os._exit(1)
+        status = 1
     except BaseException:  # the program's own error: its traceback, as python would print it
         _print_exception()
-        os._exit(1)
+        status = 1
+    os._exit(_finalize(status))
+
+
+def _compile(code: str):
+    """The program's code object; its lines registered for tracebacks (as a file's would be)."""
+    atexit._clear()  # handlers of the zygote's modules are not the program's
+    linecache.cache[_FILENAME] = (len(code), None, code.splitlines(True), _FILENAME)
+    return compile(code, _FILENAME, "exec")
+
+
+def _finalize(status: int) -> int:
+    """What the interpreter does when a program ends: wait for its non-daemon threads, run its
+    atexit handlers (a SystemExit there sets the status), flush. The exit status."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException:
+        _print_exception()
+    try:
+        atexit._run_exitfuncs()  # prints the handlers' own errors, as the interpreter does
+    except SystemExit as exc:
+        status = _exit_code(exc.code)
+    except BaseException:
+        pass
     _flush()
-    os._exit(0)
+    return status
 
 
 def _exit_code(code: Any) -> int:
@@ -164,8 +151,13 @@ def _flush() -> None:
 
 
 def _print_exception() -> None:
+    """The exception being handled, as python prints it for a program: from the program's first
+    frame on (the sandbox's own frames, and the paths they would show, are left out)."""
     try:
-        traceback.print_exc()
+        kind, exc, tb = sys.exc_info()
+        while tb is not None and tb.tb_frame.f_code.co_filename != _FILENAME:
+            tb = tb.tb_next
+        traceback.print_exception(kind, exc, tb)
     except BaseException:
         pass
     _flush()
@@ -173,51 +165,32 @@ def _print_exception() -> None:
 
 # --- check ----------------------------------------------------------------------------------------
 
-def init_check(z, code: str, workdir: str, control: int, cpu_s: float) -> None:
-    """T of a check: on each ``spawn <gen>`` from the judge (a socket), kill the previous program,
-    fork a new one and send the judge its pipe ends; reap orphans; exit when the judge hangs up."""
-    layers.enter_request(z)
-    null = os.open(os.devnull, os.O_RDWR)
-    _move_fds({null: 0, control: 3})
-    os.dup2(0, 1)
-    os.dup2(0, 2)
-    _close_other_fds({3})
-    _end_with_zygote(z)
-    sock = socket.socket(fileno=3)
-    current = None
-    pending = b""
-    while True:
-        ready, _, _ = select.select([sock], [], [], 0.2)
-        _reap()
-        if not ready:
-            continue
-        data = sock.recv(4096)
-        if not data:
-            if current is not None:
-                _kill_group(current)
-            os._exit(0)
-        pending += data
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            gen = int(line.split()[1])
-            if current is not None:
-                _kill_group(current)
-            current = _spawn(z, code, workdir, sock, gen, cpu_s)
+def as_forked() -> None:
+    """In a process just forked by a handler: undo what the handler set for itself (its SIGCHLD
+    wake-ups, its collector turned off), so that a program runs as Python would run it."""
+    signal.set_wakeup_fd(-1)
+    for sig in (signal.SIGINT, signal.SIGCHLD):
+        signal.signal(sig, signal.SIG_DFL)
+    gc.enable()
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def _spawn(z, code: str, workdir: str, sock: socket.socket, gen: int, cpu_s: float) -> int:
+def spawn(z, code: str, workdir: str, sock: socket.socket, gen: int, cpu_s: float) -> int:
+    """A program process for the judge's ``spawn <gen>``: fork it, send the judge its pipe ends
+    (requests in, replies out) on ``sock``; its pid."""
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
+            as_forked()
+            layers.enter_program(z)
             _move_fds({req_r: 3, resp_w: 4})
             _close_other_fds({3, 4})
             _program_serve(z, code, workdir, gen, cpu_s)
@@ -239,7 +212,7 @@ def _program_serve(z, code: str, workdir: str, gen: int, cpu_s: float) -> None:
     sys.argv = ["program"]
     namespace: dict[str, Any] = {"__name__": _LOADED_NAME, "__builtins__": builtins}
     try:
-        exec(compile(code, "<program>", "exec"), namespace)
+        exec(_compile(code), namespace)
         hello = {"gen": gen, "names": _exported(namespace)}
     except BaseException as exc:  # SystemExit too: a program that exits while loading has no functions
         hello = {"gen": gen, "load_error": describe(exc)}

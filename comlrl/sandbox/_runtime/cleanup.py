@@ -5,7 +5,7 @@ open at a time, so no EMFILE), directories it made unreadable or unwritable, and
 to anything. Nothing is ever done through a link: entries are unlinked by name relative to an
 open directory, and a directory is opened, and made accessible again, only as a directory opened
 with O_NOFOLLOW (a chmod by path, as shutil.rmtree's error handlers do, would follow a link the
-program planted and change a file outside). Used by the zygote after each request and by the
+program planted and change a file outside). Used by the handler after each request and by the
 worker for its folder; never raises.
 """
 

@@ -11,6 +11,11 @@ returns is rebuilt from data in the judge, so an object that overrides ``__eq__`
     ["l"|"t"|"s"|"F", [items]]       list, tuple, set, frozenset
     ["d", [[k, v], ...]]             dict (insertion order kept)
     ["b"|"B", hex]                   bytes, bytearray
+
+Decoding takes time linear in the data: a set, frozenset or dict whose elements (keys) share one
+hash value more than :data:`MAX_SAME_HASH` times is refused as malformed. (Ints equal modulo
+2**61 - 1 all hash alike, as can crafted floats and tuples: 30,000 of them took 20 s to rebuild
+as a set, each insertion comparing with all before it.)
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ __all__ = ["encode", "decode", "Unsupported"]
 _SMALL = 2 ** 53
 _SEQ = {list: "l", tuple: "t", set: "s", frozenset: "F"}
 _SEQ_BACK = {"l": list, "t": tuple, "s": set, "F": frozenset}
+
+
+MAX_SAME_HASH = 64  # elements of one hash value in one set or dict (ordinary data: one or two)
 
 
 class Unsupported(TypeError):
@@ -60,11 +68,27 @@ def decode(data: Any) -> Any:
     if tag == "f":
         return float.fromhex(data[1])
     if tag in _SEQ_BACK:
-        return _SEQ_BACK[tag](decode(v) for v in data[1])
+        items = [decode(v) for v in data[1]]
+        return _SEQ_BACK[tag](_spread(items) if tag in "sF" else items)
     if tag == "d":
-        return {decode(k): decode(v) for k, v in data[1]}
+        pairs = [(decode(k), decode(v)) for k, v in data[1]]
+        _spread([k for k, _ in pairs])
+        return dict(pairs)
     if tag in ("b", "B"):
         return (bytes if tag == "b" else bytearray).fromhex(data[1])
     if tag == "c":
         return complex(float.fromhex(data[1]), float.fromhex(data[2]))
     raise ValueError(f"unknown value tag {tag!r}")
+
+
+def _spread(keys: list) -> list:
+    """``keys``, checked to share no hash value more than :data:`MAX_SAME_HASH` times (in linear
+    time: the counts are keyed by the hash values, ints that do not collide among themselves)."""
+    counts: dict[int, int] = {}
+    for key in keys:
+        h = hash(key)  # TypeError for an unhashable key: malformed, as set() would say
+        counts[h] = counts.get(h, 0) + 1
+        if counts[h] > MAX_SAME_HASH:
+            raise ValueError(f"more than {MAX_SAME_HASH} elements of one hash value in a set or dict (built to "
+                             "make rebuilding it slow)")
+    return keys

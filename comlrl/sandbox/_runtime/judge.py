@@ -4,7 +4,7 @@ Trust comes from the process boundary. The program's code never runs here: a tes
 ``assert candidate(x) == y`` is evaluated by the judge with its own builtins and modules, on a
 value rebuilt from plain data (:mod:`.codec`). So a program that exits, kills processes, prints
 fake results, patches builtins or returns an object with a rigged ``__eq__`` can fail tests but not
-pass them. A test passes only when the judge saw it run to the end; the result goes to the zygote
+pass them. A test passes only when the judge saw it run to the end; the result goes to the handler
 on a pipe the program never holds.
 """
 
@@ -23,7 +23,7 @@ from typing import Any, Optional
 from . import codec, frames, layers
 from .child import _close_other_fds, _move_fds, clean_text, describe
 
-__all__ = ["judge_main"]
+__all__ = ["judge_request", "judge_main"]
 
 # Names a program may not shadow in the tests' namespace (nor any dunder name, e.g. __builtins__).
 _RESERVED = set(dir(builtins)) | {"candidate", "__builtins__"}
@@ -148,7 +148,7 @@ def _namespace(program: _Program, hello: dict[str, Any], exports: Optional[list[
         if usable(name):
             try:
                 out[name] = codec.decode(data)
-            except (ValueError, TypeError, RecursionError):
+            except (ValueError, TypeError, RecursionError):  # a value it forged: left out
                 pass
     functions = names.get("functions")
     for name in (functions if isinstance(functions, list) else ()):
@@ -200,11 +200,21 @@ def _run_one(program: _Program, base: dict[str, Any], setup: str, test: str, tim
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def judge_request(z, token: tuple[int, int], control: int, report: int, max_timeouts: int, check_s: float) -> None:
+    """J as the handler forks it: read the check's tests from the worker's pipe (the handler,
+    which forks the programs, never holds them), hand the handler's token on, judge."""
+    body = frames.read_frame(0)
+    os.write(token[1], b"t")
+    judge_main(z, body["tests"], body.get("setup", ""), body.get("exports"), control, report, max_timeouts, check_s)
+
+
 def judge_main(z, tests: list[str], setup: str, exports: Optional[list[str]], control: int, report: int,
                max_timeouts: int, check_s: float) -> None:
-    """J: spawn the program, run every test, report each result (``{"i", "status", "message"}``)
-    on ``report`` as soon as it is known, then ``{"done": true}``. Loading and all tests together
-    get ``check_s`` seconds: a test has ``timeout_s`` or what is left of them."""
+    """J: spawn the program, run every test, then report each result (``{"i", "status",
+    "message"}``) on ``report`` and ``{"done": true}``: all at the end, when no program will be
+    forked any more (results quote the tests; the handler that forks the programs must not hold
+    them before). Loading and all tests together get ``check_s`` seconds: a test has
+    ``timeout_s`` or what is left of them."""
     start = time.monotonic()
     layers.confine_reads(z)
     null = os.open(os.devnull, os.O_RDWR)
@@ -220,6 +230,7 @@ def judge_main(z, tests: list[str], setup: str, exports: Optional[list[str]], co
     program = _Program(socket.socket(fileno=control), int(z.limits["max_output_bytes"]))
     base: Optional[dict[str, Any]] = None
     timeouts, load_failure = 0, None
+    results: list[dict[str, Any]] = []
     for i, test in enumerate(tests):
         left = end - time.monotonic()
         if load_failure is None and base is None and timeouts < max_timeouts and left > 0:
@@ -244,7 +255,11 @@ def judge_main(z, tests: list[str], setup: str, exports: Optional[list[str]], co
                 program.close()  # the init kills it when the next one is spawned
             if not _alive(program):
                 base = None
-        frames.write_frame(report, {"i": i, "status": status, "message": clean_text(message)})
+        results.append({"i": i, "status": status, "message": clean_text(message)})
+    program.close()
+    program.control.close()  # the handler forks no program from here on
+    for result in results:
+        frames.write_frame(report, result)
     frames.write_frame(report, {"done": True})
     os._exit(0)
 
@@ -255,15 +270,21 @@ def _alive(program: _Program) -> bool:
 
 def _load(program: _Program, timeout_s: float,
           exports: Optional[list[str]]) -> tuple[Optional[dict[str, Any]], str, str]:
+    """A fresh program and the names the tests see, all within ``timeout_s``: reading its startup
+    message and rebuilding its values too (the program writes that message; it could make it slow)."""
+    timeout = (None, "timeout", f"the program did not finish loading within {timeout_s:g} s")
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
         hello = program.spawn(time.monotonic() + timeout_s)
-    except frames.Timeout:
+        if "load_error" in hello:
+            program.close()
+            return None, "error", f"the program failed to load: {str(hello['load_error'])[:500]}"
+        return _namespace(program, hello, exports), "", ""
+    except (frames.Timeout, _TestTimeout):
         program.close()
-        return None, "timeout", f"the program did not finish loading within {timeout_s:g} s"
+        return timeout
     except (frames.Closed, OSError) as exc:
         program.close()
         return None, "error", f"the program exited or was killed while loading ({describe(exc)})"
-    if "load_error" in hello:
-        program.close()
-        return None, "error", f"the program failed to load: {str(hello['load_error'])[:500]}"
-    return _namespace(program, hello, exports), "", ""
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)

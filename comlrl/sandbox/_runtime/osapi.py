@@ -1,6 +1,7 @@
 """Thin wrappers over libc functions and system calls that Python 3.10/3.11 lacks (``unshare``,
-``setns``, ``mount``, ``umount2``, ``prctl``, ``capset``, Landlock's three calls). Each judges failure
-by its return value (-1), never by a leftover errno, and raises OSError with the C errno."""
+``setns``, ``mount``, ``umount2``, ``prctl``, ``capset``, Landlock's three calls, loading a seccomp
+filter). Each judges failure by its return value (-1), never by a leftover errno, and raises
+OSError with the C errno."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ MNT_DETACH = 0x2
 
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
+PR_SET_SECCOMP = 22
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_CHILD_SUBREAPER = 36
+SECCOMP_MODE_FILTER = 2
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -83,6 +86,19 @@ def drop_capabilities() -> None:
     header = _CapHeader(0x20080522, 0)
     data = (_CapData * 2)()
     _check(_call(_libc.capset, ctypes.byref(header), data), "capset")
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def seccomp_load(program: bytes) -> None:
+    """Install a seccomp filter given as BPF (``struct sock_filter`` records of 8 bytes, as
+    libseccomp exports them) on this thread; needs no_new_privs (or CAP_SYS_ADMIN)."""
+    buffer = ctypes.create_string_buffer(program, len(program))
+    prog = _SockFprog(len(program) // 8, ctypes.addressof(buffer))
+    _check(_call(_libc.prctl, ctypes.c_int(PR_SET_SECCOMP), ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog),
+                 ctypes.c_ulong(0), ctypes.c_ulong(0)), "prctl(PR_SET_SECCOMP)")
 
 
 def statvfs_mount_flags(path: str) -> int:
