@@ -57,3 +57,12 @@ def make_trainer(model_path, tokenizer, tmp_path):
         )
 
     return factory
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (scripts/test.sh: ``--dist loadgroup``) the sandbox's tests share one worker:
+    they bound programs by wall-clock timeouts and start process pools of their own, so they run one
+    at a time beside the rest of the suite rather than beside each other."""
+    for item in items:
+        if item.path.name.startswith("test_sandbox"):
+            item.add_marker(pytest.mark.xdist_group("sandbox"))

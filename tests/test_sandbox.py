@@ -1060,12 +1060,27 @@ def _nobody_python(env):
     return None
 
 
+_SANDBOX_TEST_FILES = sorted(p.name for p in Path(__file__).parent.glob("test_sandbox*.py"))
+
+
+def _kernel_log_tail() -> str:
+    """The kernel's last lines (an OOM kill names its victim there), where this user may read them."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return "\n".join(line for line in out.splitlines()[-400:] if "oom" in line.lower() or "killed" in line.lower())
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="switches to an unprivileged user to test that mode (needs root)")
 @pytest.mark.slow
-def test_every_hostile_program_as_an_unprivileged_user():
+@pytest.mark.parametrize("test_file", _SANDBOX_TEST_FILES)
+def test_every_hostile_program_as_an_unprivileged_user(test_file):
     """A user's machine: not root. This file and the focused ones (tests/test_sandbox_*.py) again as
-    uid 65534: user namespaces where the kernel allows them, and the "plain" mode (Landlock and
-    seccomp only) as a non-root user without them would get it."""
+    uid 65534, one file per run: user namespaces where the kernel allows them, and the "plain" mode
+    (Landlock and seccomp only) as a non-root user without them would get it."""
     import shutil
     import subprocess
     import sys
@@ -1074,12 +1089,16 @@ def test_every_hostile_program_as_an_unprivileged_user():
         pytest.skip("setpriv (util-linux) is not installed")
     repo = Path(__file__).resolve().parents[1]
     paths = [p for p in sys.path if p and os.path.isdir(p)] + [str(repo)]
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "COMLRL_DISABLE_PROGRESS": "1", "PYTHONPATH": ":".join(paths)}
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "COMLRL_DISABLE_PROGRESS": "1", "PYTHONPATH": ":".join(paths),
+           "PYTHONUNBUFFERED": "1"}  # every line out before a crash: the message then names the test it died in
     python = _nobody_python(env)
     if python is None:
         pytest.skip("no Python with this run's packages that an unprivileged user may run")
     proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-m", "pytest",
-                           *sorted(str(p) for p in Path(__file__).parent.glob("test_sandbox*.py")), "-q",
-                           "-p", "no:cacheprovider", "-k", "not unprivileged"],
+                           str(Path(__file__).parent / test_file), "-v", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           "-k", "not unprivileged"],
                           capture_output=True, text=True, env=env, timeout=1800, cwd="/tmp")
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    detail = proc.stdout[-4000:] + proc.stderr[-2000:]
+    if proc.returncode < 0:  # the test run itself was killed: say by what, where the kernel tells
+        detail += f"\n(the run ended by signal {-proc.returncode}; kernel log:)\n{_kernel_log_tail()}"
+    assert proc.returncode == 0, detail
