@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from .._imports import install_hint
 from ..exceptions import ComlrlError
 from .refs import RefError, find_path, is_ref, resolve_ref
 from .registry import init_parameters
@@ -143,7 +144,7 @@ def _peft(doc: Document, key: Key, value: Any) -> Any:
     try:
         from peft import LoraConfig
     except ImportError:
-        raise doc.error(key, "LoRA agents need peft: pip install 'comlrl[peft]'.") from None
+        raise doc.error(key, f"LoRA agents need peft: {install_hint('peft')}.") from None
     settings = {"task_type": "CAUSAL_LM", **value}
     try:
         return LoraConfig(**settings)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .._imports import install_hint
 from ..exceptions import CheckpointError, ComlrlError, ResumeMismatchError
 from .launch import launch_record, recorded_document, recorded_trainer
 from .registry import available_trainers
@@ -302,8 +303,8 @@ _DEFAULT_KEYS = (r"train/reward_mean", r"turn_\d+/reward_mean", r"eval/reward_me
 def plot(argv: Sequence[str]) -> int:
     """``comlrl plot RUN_DIR``: reward curves from RUN_DIR/metrics.jsonl as a PNG."""
     parser = argparse.ArgumentParser(prog="comlrl plot", description="Plot the reward means of a run "
-                                     "(metrics.jsonl) against env_step as a PNG (needs matplotlib: "
-                                     "pip install 'comlrl[plot]').")
+                                     "(metrics.jsonl) against env_step as a PNG (needs matplotlib, the "
+                                     "'plot' extra).")
     parser.add_argument("run_dir", help="a checkpoint_dir / output_dir holding metrics.jsonl (or the file itself)")
     parser.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/reward_curve.png, or with "
                                                     "--key RUN_DIR/metrics_<keys>.png)")
@@ -322,7 +323,7 @@ def plot(argv: Sequence[str]) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CliError("comlrl plot needs matplotlib: pip install 'comlrl[plot]'.") from None
+        raise CliError(f"comlrl plot needs matplotlib: {install_hint('plot')}.") from None
     try:
         patterns = [re.compile(k) for k in (ns.key or _DEFAULT_KEYS)]
     except re.error as exc:
