@@ -54,9 +54,9 @@ def _extra_requirements(extra: str) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def install_hint(extra: str) -> str:
-    """How to install an extra of comlrl, for an error message. Never ``pip install 'comlrl[extra]'``:
-    that name on PyPI is CoMLRL 1.4.3, which pip would put in comlrl's place. From a checkout, the
-    extra of that checkout; else (or also) the extra's packages themselves."""
+    """How to install an extra of comlrl, for an error message. Never the PyPI form (the name comlrl
+    with the extra in brackets): that name on PyPI is CoMLRL 1.4.3, which pip would put in comlrl's
+    place. From a checkout, the extra of that checkout; else (or also) the extra's packages."""
     ways = []
     checkout = _checkout()
     if checkout is not None:

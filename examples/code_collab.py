@@ -6,7 +6,7 @@ function that may call it; the code-collaboration reward runs the task's tests i
 
 A random tiny model writes no working code, so its rewards stay near 0: the run shows the pipeline
 (sampling, sandboxed tests, checkpoints, pass@k) end to end. With a real model the reward and
-pass@1 rise. Needs pip install "comlrl[code]".
+pass@1 rise. Needs the code extra: pip install -e ".[code]" in the checkout.
 """
 
 import argparse
