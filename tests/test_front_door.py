@@ -118,3 +118,39 @@ def test_no_message_or_example_installs_pypis_comlrl():
              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
     assert not found, found
     assert pattern.search("pip install 'comlrl[code]'") and pattern.search('pip install -U "comlrl[code]"')
+
+
+def _fake_checkout(tmp_path: Path) -> Path:
+    """scripts/setup_env.sh and pyproject.toml beside a .venv whose python logs what it is asked to
+    run (pip installs succeed without doing anything; the installed-state check exits FAKE_RC)."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "setup_env.sh").write_text((ROOT / "scripts" / "setup_env.sh").read_text())
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+    python = tmp_path / ".venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/bash\necho "$*" >> "$LOG"\ncase "$1" in\n  -VV) echo "Python 3.x fake";;\n'
+                      '  -I) cat > /dev/null; exit "${FAKE_RC:-0}";;\nesac\n')
+    python.chmod(0o755)
+    return tmp_path
+
+
+def _setup_pip_calls(checkout: Path, **env: str) -> list[str]:
+    log = checkout / "calls.log"
+    log.write_text("")
+    subprocess.run(["bash", "scripts/setup_env.sh", "dev"], cwd=checkout, check=True, timeout=60,
+                   env={**os.environ, "LOG": str(log), **env})
+    return [line for line in log.read_text().splitlines() if line.startswith("-m pip install")]
+
+
+def test_setup_env_runs_pip_only_when_something_changed(tmp_path):
+    checkout = _fake_checkout(tmp_path)
+    assert _setup_pip_calls(checkout) == ["-m pip install --quiet --disable-pip-version-check torch==2.13.0",
+                                          "-m pip install --quiet --disable-pip-version-check -e .[dev]"]
+    assert _setup_pip_calls(checkout) == []  # nothing changed: no pip at all
+    assert len(_setup_pip_calls(checkout, FAKE_RC="1")) == 2  # the install went away (pip uninstall)
+    assert _setup_pip_calls(checkout) == []
+    with (checkout / "pyproject.toml").open("a") as f:
+        f.write("\n# a new dependency\n")
+    assert len(_setup_pip_calls(checkout)) == 2
+    assert len(_setup_pip_calls(checkout, COMLRL_SETUP_FORCE="1")) == 2
+    assert _setup_pip_calls(checkout) == []
