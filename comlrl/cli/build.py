@@ -123,7 +123,26 @@ def _model_source(doc: Document, key: Key, value: Any) -> Any:
     if value.startswith((".", "/", "~")):
         raise doc.error(key, f"model directory {value!r} not found (looked in "
                              f"{', '.join(str(b) for b in _bases(doc))}).")
+    _check_cached_when_offline(doc, key, value)
     return value
+
+
+def _check_cached_when_offline(doc: Document, key: Key, name: str) -> None:
+    """A hub name with the hub switched off must be in the local cache: said before anything loads
+    (transformers would say it after the models before it loaded, in a long traceback)."""
+    from ..engine.hub import OFFLINE_ADVICE, hub_offline
+
+    if not hub_offline():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a valid repository id either
+        cached = None
+    if not isinstance(cached, str):
+        raise doc.error(key, f"{name!r} is not a local directory, and with the hub offline (HF_HUB_OFFLINE=1) it is "
+                             f"not in the local cache; {OFFLINE_ADVICE}.")
 
 
 def _tokenizer(doc: Document, key: Key, value: Any) -> Any:
@@ -132,9 +151,13 @@ def _tokenizer(doc: Document, key: Key, value: Any) -> Any:
         return source
     from transformers import AutoTokenizer
 
+    from ..engine.hub import load_failure_text
+
     try:
         return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise doc.error(key, load_failure_text("a tokenizer", source, exc)) from None
+    except ValueError as exc:
         raise doc.error(key, f"cannot load a tokenizer from {value!r}: {_one_line(str(exc))}") from None
 
 
