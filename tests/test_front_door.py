@@ -113,8 +113,9 @@ def test_install_hints_keep_this_package(extra):
 def test_no_message_or_example_installs_pypis_comlrl():
     """``pip install 'comlrl[x]'`` installs CoMLRL 1.4.3 in this package's place (PyPI's comlrl)."""
     pattern = re.compile(r"""pip install (-U |--upgrade )?['"]?comlrl(\[|['"\s]|$)""")
-    found = [f"{path.relative_to(ROOT)}:{n}" for folder in ("comlrl", "examples", "scripts")
-             for path in (ROOT / folder).rglob("*") if path.suffix in (".py", ".sh", ".yaml", ".md")
+    files = [ROOT / "README.md", *(path for folder in ("comlrl", "examples", "scripts", "docs", "benchmarks")
+                                   for path in (ROOT / folder).rglob("*") if path.suffix in (".py", ".sh", ".yaml", ".md"))]
+    found = [f"{path.relative_to(ROOT)}:{n}" for path in files
              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
     assert not found, found
     assert pattern.search("pip install 'comlrl[code]'") and pattern.search('pip install -U "comlrl[code]"')
