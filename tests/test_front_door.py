@@ -68,6 +68,15 @@ def test_a_family_loads_without_the_others_and_without_wandb():
     assert result.stdout.strip() == "[]"
 
 
+def test_a_subcommand_loads_only_the_family_it_names():
+    probe = ("from comlrl.cli import main\ntry:\n    main(['train', '--trainer', 'maac', '--help'])\n"
+             "except SystemExit:\n    pass\nimport sys\n"
+             "print(sorted(m for m in sys.modules if m.count('.') == 2 and m.startswith('comlrl.trainers.')))")
+    result = _python(probe)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "['comlrl.trainers.actor_critic']"
+
+
 def test_lazy_names_are_the_modules_objects():
     import comlrl
     import comlrl.trainers as trainers
