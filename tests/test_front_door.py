@@ -282,3 +282,12 @@ def test_a_missing_prompt_column_names_prompt_column(tmp_path, capsys):
     assert main(["train", str(_config(tmp_path)), "--trainer.train_dataset", rows]) == 2
     line = _one_error_line(capsys)
     assert "has no 'prompt' column" in line and "trainer.train_dataset.prompt_column" in line, line
+
+
+def test_a_command_without_torch_says_how_to_install_it():
+    code = ("import sys\nsys.modules['torch'] = None\nfrom comlrl.cli import main\n"
+            "sys.exit(main(['train', 'run.yaml']))")
+    result = _python(code)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith("comlrl train: error: comlrl train needs torch.")
+    assert "https://download.pytorch.org/whl/cpu" in result.stderr
