@@ -69,11 +69,15 @@ def install_hint(extra: str) -> str:
 
 def lazy_exports(package: str, exports: Mapping[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """``__getattr__`` and ``__dir__`` for a package whose ``exports`` map each public name to the
-    module (relative to ``package``) that defines it. A loaded name is cached in the package."""
+    module (relative to ``package``) that defines it. A loaded name is cached in the package. A
+    subpackage is an attribute too, as when the facade imported it eagerly
+    (``import comlrl; comlrl.trainers.reinforce.MAGRPOTrainer``)."""
 
     def __getattr__(name: str) -> Any:
         where = exports.get(name)
         if where is None:
+            if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
+                return importlib.import_module(f"{package}.{name}")  # the import sets the attribute
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         value = getattr(importlib.import_module(where, package), name)
         importlib.import_module(package).__dict__[name] = value  # later lookups skip __getattr__

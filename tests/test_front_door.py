@@ -94,6 +94,7 @@ def test_lazy_names_are_the_modules_objects():
     assert iterative.wandb is wandb  # CoMLRL 1.4.3's module global, imported when looked up
     with pytest.raises(AttributeError, match="no attribute 'MAGRPOTrainr'"):
         comlrl.MAGRPOTrainr  # noqa: B018
+    assert comlrl.trainers.reinforce.MAGRPOTrainer is MAGRPOTrainer  # submodules as attributes, as before
     namespace: dict = {}
     exec("from comlrl.trainers import *", namespace)  # noqa: S102
     assert set(trainers.__all__) <= set(namespace)
