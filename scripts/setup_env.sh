@@ -35,6 +35,9 @@ if [ -z "${COMLRL_SETUP_FORCE:-}" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = 
     exit 0
 fi
 rm -f "$stamp"
+# A comlrl.egg-info of an earlier version in the checkout (setuptools does not always rewrite it) would
+# shadow the venv's metadata for anything run from here (importlib.metadata reads the working directory).
+rm -rf comlrl.egg-info
 # torch first, pinned: 2.13.0 is the CPU build on our machines; an unpinned torch would pull CUDA.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "$TORCH_PIN"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[$EXTRAS]"
