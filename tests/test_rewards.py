@@ -176,3 +176,22 @@ def test_public_helper_is_the_engines_binding():
     assert call_reward_function(lambda p, a, b: 5, ["p"], [["x"], ["y"]], num_agents=2) == [5.0]
     assert call_reward_function(rows, ["p", "q"], [C1[:2], C2[:2]], num_agents=2,
                                 batch_items=[{"id": 3}, {"id": 4}]) == [3.0, 4.0]
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_one_parameter_reward_is_told_it_gets_one_list_per_agent(batched):
+    """def r(completions) of 2 agents receives [c1, c2]; scoring it as one list of completions gives
+    one value per agent, and the error says why (issue 31)."""
+    def lengths(completions):
+        return [float(len(c)) for c in completions]
+
+    func = batched_reward(lengths) if batched else lengths
+    with pytest.raises(RewardError) as raised:
+        call(func)
+    message = str(raised.value)
+    assert "returned 2 value(s) for" in message
+    assert "receives a single argument: a list of 2 lists, one list of completions per agent" in message
+    assert "def lengths(completions1, completions2)" in message
+    with pytest.raises(RewardError) as two_lists:  # a two-parameter reward that miscounts gets no such hint
+        call(lambda a, b: [1.0] * 5)
+    assert "one positional parameter" not in str(two_lists.value)

@@ -9,6 +9,7 @@ outputs become a Rollout.
 
 from __future__ import annotations
 
+import re
 import importlib.util
 import sys
 from pathlib import Path
@@ -52,7 +53,9 @@ def _checksum(model):
 def test_vllm_backend_without_vllm_is_a_config_error():
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")
-    with pytest.raises(ConfigError, match=r"comlrl\[vllm\]"):
+    from comlrl._imports import install_hint
+
+    with pytest.raises(ConfigError, match=re.escape(install_hint("vllm"))):
         MAGRPOConfig(rollout_backend="vllm")
 
 

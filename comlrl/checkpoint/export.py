@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .._io import atomic_write_text, fsync_dir, fsync_tree, move_into_place, refuse_link
+from .._imports import install_hint
 from ..exceptions import CheckpointError, ConfigError
 from . import files
 from .state import validate_state
@@ -109,7 +110,7 @@ def _merge_adapter(folder: Path, slot: str, fingerprints: dict[str, Any],
     try:
         import peft
     except ImportError:
-        raise ConfigError("merging a LoRA agent needs peft: pip install 'comlrl[peft]' (or export without "
+        raise ConfigError(f"merging a LoRA agent needs peft: {install_hint('peft')} (or export without "
                           "--merge: the adapter folder needs no peft to be written).") from None
     config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
     name = config.get("base_model_name_or_path")

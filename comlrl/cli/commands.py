@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .._imports import install_hint
 from ..exceptions import CheckpointError, ComlrlError, ResumeMismatchError
 from .launch import launch_record, recorded_document, recorded_trainer
 from .registry import available_trainers
@@ -43,6 +44,7 @@ def train(argv: Sequence[str]) -> int:
                                    "Train the agents of a YAML config.", _train_fixed)
     spec = check_run(doc, entry)
     options = {k: v for k, v in spec.train_values.items() if k not in TRAIN_EXTRAS}
+    _check_output_paths(spec, options)  # before any model is loaded
     checkpoint = _resume_target(spec, options.pop("resume_from_checkpoint", None), options.get("checkpoint_dir"))
     if checkpoint is None:
         _refuse_a_used_directory(spec, options.get("checkpoint_dir"))  # before any model is loaded
@@ -73,6 +75,27 @@ def train(argv: Sequence[str]) -> int:
             trainer.save_model(save_to, merge_adapters=bool(spec.train_values.get("merge_adapters", False)))
         _report(spec, trainer, metrics or {}, options, save_to)
     return 0
+
+
+def _check_output_paths(spec: RunSpec, options: dict[str, Any]) -> None:
+    """Every directory the run will write must be one, or creatable: a file in its place (or in the
+    place of a folder above it) is said now, naming the key, not after the models have loaded."""
+    wandb_config = spec.trainer_values.get("wandb_config")
+    legacy_output = wandb_config.get("output_dir") if isinstance(wandb_config, dict) else None
+    places = [(("train", "checkpoint_dir"), options.get("checkpoint_dir")),
+              (("train", "save_model"), spec.train_values.get("save_model")),
+              (("trainer", "wandb_config", "output_dir"), legacy_output)]
+    if not options.get("checkpoint_dir") and legacy_output is None:  # metrics.jsonl then goes to output_dir
+        places.append((("trainer", "args", "output_dir"), getattr(spec.config, "output_dir", None)))
+    for key, value in places:
+        if not value or not isinstance(value, (str, os.PathLike)):
+            continue
+        path = Path(value).expanduser()
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            what = "is a file" if blocker == path else f"cannot be created: {blocker} is a file"
+            raise CliError(f"{spec.doc.where(key)}: {value} {what}, not a directory; nothing was loaded. Point it "
+                           "at a directory (a new or an existing one).")
 
 
 def _refuse_a_used_directory(spec: RunSpec, checkpoint_dir: Any) -> None:
@@ -302,8 +325,8 @@ _DEFAULT_KEYS = (r"train/reward_mean", r"turn_\d+/reward_mean", r"eval/reward_me
 def plot(argv: Sequence[str]) -> int:
     """``comlrl plot RUN_DIR``: reward curves from RUN_DIR/metrics.jsonl as a PNG."""
     parser = argparse.ArgumentParser(prog="comlrl plot", description="Plot the reward means of a run "
-                                     "(metrics.jsonl) against env_step as a PNG (needs matplotlib: "
-                                     "pip install 'comlrl[plot]').")
+                                     "(metrics.jsonl) against env_step as a PNG (needs matplotlib, the "
+                                     "'plot' extra).")
     parser.add_argument("run_dir", help="a checkpoint_dir / output_dir holding metrics.jsonl (or the file itself)")
     parser.add_argument("--out", default=None, help="the PNG to write (default: RUN_DIR/reward_curve.png, or with "
                                                     "--key RUN_DIR/metrics_<keys>.png)")
@@ -322,7 +345,7 @@ def plot(argv: Sequence[str]) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise CliError("comlrl plot needs matplotlib: pip install 'comlrl[plot]'.") from None
+        raise CliError(f"comlrl plot needs matplotlib: {install_hint('plot')}.") from None
     try:
         patterns = [re.compile(k) for k in (ns.key or _DEFAULT_KEYS)]
     except re.error as exc:

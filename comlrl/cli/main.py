@@ -19,6 +19,8 @@ from .yamlconf import CliError
 
 __all__ = ["main"]
 
+# Commands that build trainers or read checkpoints (torch tensors); `plot` reads metrics.jsonl only.
+_NEEDS_TORCH = ("train", "checkpoints", "export", "trainers")
 _COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train the agents of a YAML config (--resume auto continues a run)"),
     "checkpoints": ("checkpoints", "list a directory's checkpoints and verify them"),
@@ -87,6 +89,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.parse_args(argv)  # --version / --help exit here
         parser.print_help()
         return USER_ERROR
+    if argv[0] in _NEEDS_TORCH and "-h" not in argv and "--help" not in argv:
+        from .._imports import require_torch
+
+        try:
+            require_torch(f"comlrl {argv[0]}")
+        except ImportError as exc:
+            print(f"comlrl {argv[0]}: error: {exc}", file=sys.stderr)
+            return USER_ERROR
     from . import commands
 
     command: Callable[[Sequence[str]], int] = getattr(commands, _COMMANDS[argv[0]][0])

@@ -66,15 +66,41 @@ def available_trainers() -> tuple[dict[str, TrainerEntry], dict[str, str]]:
             logger.debug("comlrl: cannot import %s: %s", module_name, exc)
             continue
         for attr in getattr(module, "__all__", dir(module)):
-            cls = getattr(module, attr, None)
-            if not (isinstance(cls, type) and attr.endswith("Trainer") and attr != "Trainer"):
-                continue
-            config = _config_of(cls, module)
-            name = attr[:-len("Trainer")]
-            if config is not None and name not in found:
-                family = cls.__module__.split(".")[2] if cls.__module__.startswith("comlrl.trainers.") else ""
-                found[name] = TrainerEntry(name, cls, config, family)
+            entry = _entry(module, attr)
+            if entry is not None and entry.name not in found:
+                found[entry.name] = entry
     return found, failed
+
+
+def _entry(module: Any, attr: str) -> Optional[TrainerEntry]:
+    """The trainer ``module.attr`` (loading its family), or None if it is none."""
+    if not attr.endswith("Trainer") or attr == "Trainer":
+        return None
+    cls = getattr(module, attr, None)
+    config = _config_of(cls, module) if isinstance(cls, type) else None
+    if config is None:
+        return None
+    family = cls.__module__.split(".")[2] if cls.__module__.startswith("comlrl.trainers.") else ""
+    return TrainerEntry(attr[:-len("Trainer")], cls, config, family)
+
+
+def _named_trainer(wanted: str) -> Optional[TrainerEntry]:
+    """The trainer spelled ``wanted`` (any case), loading only its family: the package facades list
+    their names without importing them."""
+    for module_name in TRAINER_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # noqa: BLE001 - available_trainers() reports it
+            continue
+        for attr in getattr(module, "__all__", ()):
+            if attr.lower() == f"{wanted}trainer".lower():
+                try:
+                    entry = _entry(module, attr)
+                except Exception:  # noqa: BLE001 - its family does not import: available_trainers() says why
+                    entry = None
+                if entry is not None:
+                    return entry
+    return None
 
 
 def lookup_trainer(name: Any, base_dirs: Sequence[Path] = ()) -> TrainerEntry:
@@ -92,9 +118,12 @@ def lookup_trainer(name: Any, base_dirs: Sequence[Path] = ()) -> TrainerEntry:
             raise ValueError(f"{name} is not a trainer class named <Name>Trainer with a dataclass config "
                              "(config_class attribute).")
         return TrainerEntry(cls.__name__[:-len("Trainer")], cls, config, "")
-    found, failed = available_trainers()
     wanted = name.strip()
     wanted = wanted[:-len("Trainer")] if wanted.endswith("Trainer") else wanted
+    entry = _named_trainer(wanted)
+    if entry is not None:
+        return entry
+    found, failed = available_trainers()
     by_lower = {key.lower(): entry for key, entry in found.items()}
     if wanted.lower() in by_lower:
         return by_lower[wanted.lower()]

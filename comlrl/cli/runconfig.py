@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from ..exceptions import ConfigError
+from ..exceptions import ConfigError, DataError
 from .registry import TrainerEntry, init_parameters, lookup_trainer, train_parameters
-from .yamlconf import CliError, Document, Key, load_document, parse_value
+from .yamlconf import CliError, Document, Key, dotted, load_document, parse_value
 
 __all__ = ["RunSpec", "Option", "options_for", "parse_run_args", "check_run", "locate_error", "TRAIN_EXTRAS"]
 
@@ -215,7 +215,7 @@ def parse_run_args(argv: Sequence[str], prog: str, usage: str, description: str,
             doc.set(option.key, parse_value(getattr(ns, dest), option.as_string), option.flags[0])
             delattr(ns, dest)
     for flag, value in other:
-        _dotted_override(doc, flag, value, sorted(known_flags))
+        _dotted_override(doc, flag, value, sorted(known_flags), entry)
     return ns, doc, entry
 
 
@@ -246,10 +246,15 @@ def _split_other_flags(argv: Sequence[str], known: set[str]) -> tuple[list[str],
     return kept, other
 
 
-def _dotted_override(doc: Document, flag: str, value: Optional[str], known_flags: list[str]) -> None:
+def _dotted_override(doc: Document, flag: str, value: Optional[str], known_flags: list[str],
+                     entry: TrainerEntry) -> None:
     """``--a.b.c VALUE``: set any key of the config by its dotted path."""
     if "." not in flag or flag[2:].split(".")[0] not in SECTIONS:
-        guess = difflib.get_close_matches(flag, known_flags, n=1)
+        # a constructor argument's own name (--train_dataset) is its dotted key; spelling alone would pick
+        # another flag that looks alike (--trainer.eval_dataset)
+        head = flag[2:].split(".")[0]
+        own = f"--trainer.{flag[2:]}" if head in init_parameters(entry.trainer) else None
+        guess = [own] if own else difflib.get_close_matches(flag, known_flags, n=1)
         hint = f" (did you mean {guess[0]}?)" if guess else ""
         raise CliError(f"unrecognized argument {flag!r}{hint}. Config keys are flags: --num_generations 8, "
                        "--trainer.train_dataset.split test.")
@@ -390,6 +395,11 @@ def locate_error(spec: RunSpec, exc: BaseException) -> str:
             + [("trainer", k) for k in spec.trainer_values] + [("train", k) for k in spec.train_values]
             + [("trainer", "args", f.name) for f in dataclasses.fields(spec.entry.config)])
     key = _mentioned(message, keys) if isinstance(exc, ConfigError) else None
+    missing_prompt = re.match(r"(\w+_dataset) row \d+ has no 'prompt' column", message)
+    if isinstance(exc, DataError) and missing_prompt and missing_prompt.group(1) in spec.trainer_values:
+        key = ("trainer", missing_prompt.group(1))
+        message = (f"{message.rstrip('.')}. In the config: {dotted(key)}.prompt_column names the column that holds "
+                   f"the prompts ({{path: ..., prompt_column: text}}), or {dotted(key)}.columns renames columns.")
     return f"{spec.doc.where(key)}: {message}" if key else message
 
 

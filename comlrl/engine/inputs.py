@@ -19,6 +19,7 @@ import torch
 
 from ..exceptions import ConfigError, TokenizerError
 from .devices import DeviceScheduler, check_available
+from .hub import load_pretrained
 
 __all__ = ["ResolvedAgents", "resolve_agents", "agent_count", "model_kwargs", "infer_model_name", "eos_token_ids",
            "frozen_copies", "check_tokenizers_usable", "check_context", "distinct_modules", "wants_cuda"]
@@ -116,7 +117,7 @@ def _load(sources: list[Any], model_config: Optional[Mapping[str, Any]]) -> list
             models.append(copy.deepcopy(models[0]))
             continue
         if isinstance(source, str):
-            models.append(AutoModelForCausalLM.from_pretrained(source, **kwargs))
+            models.append(load_pretrained(AutoModelForCausalLM, source, "model", **kwargs))
             continue
         if id(source) in seen:
             # One object for two agents would have two optimizers step the same weights.
@@ -139,7 +140,7 @@ def _tokenizers(tokenizer: Any, sources: list[Any], count: int) -> list[Any]:
         loaded: dict[str, Any] = {}
         for name in names:  # agents loaded from one path share one tokenizer object
             if name not in loaded:
-                loaded[name] = AutoTokenizer.from_pretrained(name)
+                loaded[name] = load_pretrained(AutoTokenizer, name, "tokenizer")
         return [loaded[name] for name in names]
     if isinstance(tokenizer, (list, tuple)):
         if len(tokenizer) != count:
@@ -248,7 +249,7 @@ def _lora_agents(agent_model: Any, agents: Any, count: int, model_config: Any, p
     else:
         from transformers import AutoModelForCausalLM
 
-        base = AutoModelForCausalLM.from_pretrained(str(agent_model), **model_kwargs(model_config))
+        base = load_pretrained(AutoModelForCausalLM, str(agent_model), "model", **model_kwargs(model_config))
     set_seed(seed)  # adapters initialised from the run's seed
     source = None if isinstance(agent_model, torch.nn.Module) else str(agent_model)
     return build_lora_agents(base, peft_config, count), [source] * count

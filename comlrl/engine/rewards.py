@@ -252,7 +252,8 @@ class RewardFunction:
         return None
 
     def _finish(self, values: list[Any], count: int) -> torch.Tensor:
-        rewards = check_rewards(values, count, f"reward function {self.name}", batched=self.batched)
+        rewards = check_rewards(values, count, f"reward function {self.name}", batched=self.batched,
+                                hint=self._joint_list_hint())
         if self.processor is not None:
             try:
                 processed = [self.processor(r) for r in rewards]
@@ -262,14 +263,28 @@ class RewardFunction:
         return torch.tensor(rewards, dtype=torch.float64)
 
 
-def check_rewards(values: list[Any], count: int, who: str, batched: bool = True) -> list[float]:
+    def _joint_list_hint(self) -> str:
+        """What a one-parameter reward of several agents receives, for a count mismatch: such a
+        function most often iterates over its argument as if it were one list of completions."""
+        if not self.call.joint_list:
+            return ""
+        n = self.num_agents
+        return (f" {self.name} takes one positional parameter, so with {n} agents it receives a single argument: a "
+                f"list of {n} lists, one list of completions per agent (element i of each list is joint action i). "
+                f"Score zip(*that_argument), one float per joint action, or define it as def "
+                f"{getattr(self.func, '__name__', 'reward')}("
+                f"{', '.join(f'completions{a + 1}' for a in range(n))}).")
+
+
+def check_rewards(values: list[Any], count: int, who: str, batched: bool = True, hint: str = "") -> list[float]:
     """``values`` as ``count`` finite floats that fit float32, or a RewardError saying what is wrong
-    (``batched=False``: the call was one joint action's, and the message says how to batch)."""
+    (``batched=False``: the call was one joint action's, and the message says how to batch; ``hint``
+    is added to a count mismatch's message)."""
     if len(values) != count:
         how = ("return exactly one float per joint action (element i of each agent's list)." if batched else
                "it is called once per joint action (one-element lists, as CoMLRL 1.4.3 calls it): return one float, "
                "or mark it with comlrl.utils.batched_reward to score every joint action of a task item in one call.")
-        raise RewardError(f"{who} returned {len(values)} value(s) for {count} joint action(s) of one call; {how}")
+        raise RewardError(f"{who} returned {len(values)} value(s) for {count} joint action(s) of one call; {how}{hint}")
     out = []
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, numbers.Real):

@@ -1,6 +1,10 @@
 """Pure tensor functions of the training step: advantages, returns, losses, joint actions,
 and the log-probabilities of sampled tokens."""
 
+from .._imports import require_torch
+
+require_torch("comlrl.functional")  # before the first torch import: say how to install it
+
 from .advantages import group_advantages, group_mean_std
 from .joint import cross_combinations, cross_returns, joint_actions_per_group
 from .logprobs import linear_selected_log_probs, selected_log_probs, sequence_log_probs

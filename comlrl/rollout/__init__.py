@@ -8,6 +8,10 @@ which one sampled.
 
 from __future__ import annotations
 
+from .._imports import require_torch
+
+require_torch("comlrl.rollout")  # before the first torch import: say how to install it
+
 from typing import Any, Optional, Protocol, Sequence
 
 import torch

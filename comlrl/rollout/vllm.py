@@ -1,4 +1,4 @@
-"""Rollouts on vLLM: ``rollout_backend="vllm"`` (optional; ``pip install 'comlrl[vllm]'``, CUDA).
+"""Rollouts on vLLM: ``rollout_backend="vllm"`` (optional; the ``vllm`` extra, ``pip install -e ".[vllm]"``, CUDA).
 
 Each agent gets its own colocated ``vllm.LLM`` engine, built from the agent's config and tokenizer
 with random ("dummy") weights and then given the agent's live weights through vLLM's weight-transfer
@@ -43,6 +43,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .._imports import install_hint
 from ..exceptions import ConfigError
 from .sampling import Rollout, SamplingParams
 from .transformers_loop import _finish, _prepare
@@ -51,7 +52,7 @@ __all__ = ["VLLMRollout", "check_vllm_available", "INSTALL_HINT"]
 
 logger = logging.getLogger("comlrl")
 
-INSTALL_HINT = "pip install 'comlrl[vllm]' (vLLM runs on CUDA GPUs)"
+INSTALL_HINT = f"{install_hint('vllm')} (vLLM runs on CUDA GPUs)"
 # Which vLLM weight-transfer backend moves an agent's weights into its engine, by the agent's
 # device type. CUDA IPC needs trainer and engine on the same GPU, which is what colocated means.
 TRANSFER_BACKENDS = {"cuda": "ipc"}

@@ -13,6 +13,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 from ..exceptions import ConfigError, SandboxError
 from ._results import ExecResult, TestReport, TestResult
+from .._imports import install_hint
 from ._runtime.child import clean_text
 from ._runtime.layers import MECHANISMS
 from ._worker import Worker
@@ -198,8 +199,8 @@ class Sandbox:
             self.close()
             why = "; ".join(f"{m}: {self._why(m, report)}" for m in missing)
             raise SandboxError(f"Sandbox(require=...) needs {missing}, not available here ({why}). Run as root or "
-                               "where unprivileged user namespaces are allowed (and pip install 'comlrl[sandbox]' for "
-                               "seccomp and Landlock), or drop them from require.")
+                               f"where unprivileged user namespaces are allowed (and {install_hint('sandbox')} for "
+                               "seccomp), or drop them from require.")
         self._warn_once(layers, report)
         return layers
 

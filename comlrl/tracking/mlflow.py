@@ -13,7 +13,7 @@ and does not send a ``(metric, step)`` the run already holds: the interrupted ru
 where the work was redone (identical on a bit-exact resume; a warning names any that differ), and
 every later step is logged once.
 
-Needs the ``mlflow`` package: ``pip install 'comlrl[mlflow]'``.
+Needs the ``mlflow`` package: ``pip install -e ".[mlflow]"`` in the checkout.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ place. The marker is at ``resume_step + 1`` because the training row at the chec
 was logged before the checkpoint and is not redone; the rows at that step that are redone (an
 evaluation before the next buffer) are not written again when the directory already holds them.
 
-Needs the ``tensorboard`` package: ``pip install 'comlrl[tensorboard]'``.
+Needs the ``tensorboard`` package: ``pip install -e ".[tensorboard]"`` in the checkout.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
+from .._imports import install_hint
 from ..exceptions import CheckpointDirError, CheckpointError, ConfigError
 
 __all__ = ["Tracker", "TrackerContext", "TRACKERS", "check_report_to", "check_report_to_installed",
@@ -30,8 +31,8 @@ logger = logging.getLogger("comlrl")
 # The order rows are handed over in: local files first, so a remote tracker that fails leaves them whole.
 TRACKERS = ("jsonl", "tensorboard", "mlflow", "wandb")
 # Trackers that need a package comlrl does not depend on: (module, pip extra).
-INSTALL_HINTS = {"tensorboard": ("tensorboard", "pip install 'comlrl[tensorboard]'"),
-                 "mlflow": ("mlflow", "pip install 'comlrl[mlflow]'")}
+INSTALL_HINTS = {"tensorboard": ("tensorboard", install_hint("tensorboard")),
+                 "mlflow": ("mlflow", install_hint("mlflow"))}
 
 
 @runtime_checkable

@@ -2,6 +2,10 @@
 sources, the reference KL, reward calling and processing, process context; plus comlrl's
 ``find_latest_checkpoint`` and ``set_seed``."""
 
+from .._imports import require_torch
+
+require_torch("comlrl.utils")  # before the first torch import: say how to install it
+
 from .checkpoint import find_latest_checkpoint, read_checkpoint_metadata, set_seed
 from .distributed import DistributedContext, local_context, unwrap_model
 from .formatters import build_formatters

@@ -58,8 +58,11 @@ def load_reference_models_from_sources(model_sources: Sequence[str], *, devices:
     """Frozen models loaded by name (``from_pretrained(source, **model_kwargs)``), one per device."""
     from transformers import AutoModelForCausalLM
 
+    from ..engine.hub import load_pretrained
+
     kwargs = dict(model_kwargs or {})
-    return [freeze_model(AutoModelForCausalLM.from_pretrained(s, **kwargs).to(d)) for s, d in zip(model_sources, devices)]
+    return [freeze_model(load_pretrained(AutoModelForCausalLM, s, "reference model", **kwargs).to(d))
+            for s, d in zip(model_sources, devices)]
 
 
 def response_token_logprobs(model: torch.nn.Module, sequences: torch.Tensor, attention_mask: torch.Tensor,

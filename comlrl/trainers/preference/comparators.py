@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, TypeVar
 
+from ..._imports import install_hint
 from ..._redact import redact_text, secrets_in
 from ...exceptions import ComparatorError, ConfigError
 
@@ -35,7 +36,7 @@ logger = logging.getLogger("comlrl")
 
 _RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 _DETAIL_BYTES = 2048  # of an error reply, quoted in the error
-HTTP_EXTRA = "pip install 'comlrl[api]'"
+HTTP_EXTRA = install_hint("api")
 T = TypeVar("T")
 
 

@@ -294,8 +294,7 @@ class _IterativeFields(Config):
         if policy == "api" and not self.comparator_api_url:
             raise ConfigError("comparator_api_url is required when comparator_policy='api'.")
         if policy == "api" and importlib.util.find_spec("httpx") is None:
-            raise ConfigError(f"comparator_policy='api' talks HTTP through httpx, which is not installed: {HTTP_EXTRA} "
-                              "(or pip install httpx).")
+            raise ConfigError(f"comparator_policy='api' talks HTTP through httpx, which is not installed: {HTTP_EXTRA}.")
         if self.comparator_api_key is not None:
             logger.warning("comlrl: comparator_api_key is set in the config; it is never saved or logged, but prefer "
                            "comparator_api_key_env (the name of an environment variable holding the key).")

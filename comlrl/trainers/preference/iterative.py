@@ -32,10 +32,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-import wandb  # noqa: F401  (CoMLRL's module global)
-
 from ...engine import distributed as dist
 from ...engine.timing import PhaseTimer
+from ..._imports import install_hint
 from ..._io import own_dir, refuse_link, temp_sibling
 from ...checkpoint.files import tree_hashes
 from ...exceptions import CheckpointDirError, CheckpointError, ConfigError
@@ -89,7 +88,7 @@ class _Iterative:
             try:
                 import matplotlib  # noqa: F401
             except ImportError:
-                raise ConfigError("log_reward_distribution=True draws with matplotlib: pip install 'comlrl[plot]'.")
+                raise ConfigError(f"log_reward_distribution=True draws with matplotlib: {install_hint('plot')}.")
         uses_history = a.comparator_policy == "history" or a.policy_checkpoint_dir is not None
         from ...adapters import AdapterAgent
 
@@ -542,3 +541,14 @@ def _plot_distribution(path: Path, record: dict[str, Any]) -> None:
         plt.close(fig)
         if tmp.exists():
             tmp.unlink()
+
+
+def __getattr__(name: str) -> Any:
+    """``wandb`` is a module global of CoMLRL 1.4.3's iterative module (scripts patch it); importing
+    it costs seconds, so it is imported when first looked up, not with the trainers."""
+    if name == "wandb":
+        import wandb
+
+        globals()["wandb"] = wandb
+        return wandb
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -137,6 +137,7 @@ class MARLHFTrainer(MADPOTrainer):
     def _build_reward_model(self, source: Any) -> tuple[JointRewardModel, Any]:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from ...engine.hub import load_pretrained
         from ...engine.inputs import model_kwargs
 
         source = source if source is not None else self.args.reward_model_name
@@ -146,8 +147,8 @@ class MARLHFTrainer(MADPOTrainer):
         if isinstance(source, JointRewardModel):
             model = source
         elif isinstance(source, str):
-            backbone = AutoModelForCausalLM.from_pretrained(source, **model_kwargs(self.model_config))
-            tokenizer = AutoTokenizer.from_pretrained(source)
+            backbone = load_pretrained(AutoModelForCausalLM, source, "reward model", **model_kwargs(self.model_config))
+            tokenizer = load_pretrained(AutoTokenizer, source, "reward model tokenizer")
             model = JointRewardModel(backbone, self.args.reward_freeze_backbone)
         else:
             policy = unwrap_policy(source) if isinstance(source, torch.nn.Module) else self._policies()[0]
