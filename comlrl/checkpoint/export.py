@@ -18,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .._io import atomic_write_text, fsync_dir, fsync_tree, move_into_place, refuse_link
+from .._io import atomic_write_text, fsync_dir, fsync_tree, refuse_link
 from ..exceptions import CheckpointError, ConfigError
 from . import files
 from .state import validate_state
@@ -144,9 +145,33 @@ def _base_record(fingerprints: dict[str, Any], slot: str) -> Optional[dict[str, 
 
 # --- the export directory -----------------------------------------------------------------------
 
+_FOLDER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")  # agent_0, critic: one plain segment
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,254}$")  # one segment of a file listed (no '.', '..')
+
+
+def _plain_folder(name: Any) -> bool:
+    """Whether ``name`` is what an export writes at its top level: one plain folder name
+    (``agent_0``, ``critic``), never a path, ``..`` or an absolute path."""
+    return isinstance(name, str) and bool(_FOLDER_NAME.match(name))
+
+
+def _plain_file(rel: Any) -> bool:
+    """Whether ``rel`` is a relative file path inside one of an export's folders."""
+    if not isinstance(rel, str) or len(rel) > 1024:
+        return False
+    parts = rel.split("/")
+    return len(parts) >= 2 and _plain_folder(parts[0]) and all(_FILE_NAME.match(p) for p in parts[1:])
+
+
 def export_record(target: Path) -> Optional[dict[str, Any]]:
-    """What an earlier export wrote into ``target`` (``{"folders", "files", "run_id", "source"}``
-    from its :data:`MARKER`), or None when ``target`` holds no valid record."""
+    """What an earlier export wrote into ``target`` (``{"folders", "files", "run_id", "source",
+    "complete"}`` from its :data:`MARKER`), or None when ``target`` holds no valid record.
+
+    A marker is read as data anyone could have written: only plain top-level folder names
+    (``agent_0``) and relative files inside them are accepted, so a forged ``"../victim"`` or an
+    absolute path can never make an export delete anything outside ``target``. ``complete`` is
+    False while (or after a crash while) an export replaces an earlier one: its folders may then
+    come from two checkpoints."""
     try:
         record = json.loads((Path(target) / MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError):
@@ -154,10 +179,23 @@ def export_record(target: Path) -> Optional[dict[str, Any]]:
     if not isinstance(record, dict):
         return None
     folders, listed, run_id = record.get("folders"), record.get("files"), record.get("run_id")
-    if not (isinstance(folders, list) and all(isinstance(f, str) for f in folders) and isinstance(listed, list)
-            and all(isinstance(f, str) for f in listed) and (run_id is None or isinstance(run_id, str))):
+    complete = record.get("complete", True)
+    if not (isinstance(folders, list) and all(_plain_folder(f) for f in folders) and isinstance(listed, list)
+            and all(_plain_file(f) and f.split("/", 1)[0] in folders for f in listed)
+            and (run_id is None or isinstance(run_id, str)) and isinstance(complete, bool)):
         return None
-    return {"folders": folders, "files": listed, "run_id": run_id, "source": record.get("source")}
+    return {"folders": folders, "files": listed, "run_id": run_id, "source": record.get("source"),
+            "complete": complete}
+
+
+def _inside(target: Path, name: str) -> Path:
+    """``target/name`` for a top-level export folder, checked to be a real directory entry of
+    ``target`` itself (not a link, not elsewhere once resolved)."""
+    path = target / name
+    if not _plain_folder(name) or path.is_symlink() or path.resolve().parent != target.resolve():
+        raise ConfigError(f"{target}: the export folder {name!r} is not a plain folder inside the export directory; "
+                          "nothing of it was removed.")
+    return path
 
 
 _TMP = ".tmp-export-"  # an interrupted export's scratch folder inside its target: removed, never counted
@@ -202,8 +240,11 @@ def write_export(target: Path, fill: Callable[[Path], None], origin: str, run_id
 
     ``target`` must be new, an empty directory, or an earlier export untouched since (anything else,
     such as the user's own ``agent_0/`` or a run directory, is refused and nothing is written). A new
-    ``target`` appears whole or not at all; into an existing one (the working directory, say) each
-    folder is swapped whole, the old one removed only once the new one is in place.
+    ``target`` appears whole or not at all. Into an existing one (the working directory, say) the
+    folders are swapped one by one under a marker that says ``"complete": false`` and names both
+    exports, rewritten as complete only after the last swap: a crash in between never leaves agents
+    of two checkpoints under a marker naming one. Replaced folders go into the export's scratch
+    folder, which the next export removes.
     """
     target = Path(target)
     earlier = _earlier_export(target)
@@ -217,6 +258,10 @@ def write_export(target: Path, fill: Callable[[Path], None], origin: str, run_id
     try:
         fill(tmp)
         folders = sorted(p.name for p in tmp.iterdir())
+        bad = [name for name in folders if not _plain_folder(name)]
+        if bad:
+            raise ConfigError(f"an export writes plain top-level folders (agent_0, critic), not {bad[:3]}; nothing "
+                              "was written.")
         fsync_tree(tmp)
         if earlier is None:
             _write_marker(tmp, folders, _present(tmp), origin, run_id)
@@ -228,11 +273,17 @@ def write_export(target: Path, fill: Callable[[Path], None], origin: str, run_id
         new_files = {f"{name}/{rel}" for name in folders for rel in _present(tmp / name)} | {
             rel for rel in earlier["files"] if rel.split("/", 1)[0] in stale}
         _write_marker(target, sorted(set(earlier["folders"]) | set(folders)), new_files | set(earlier["files"]),
-                      origin, run_id)  # a crash below leaves nothing unlisted
+                      origin, run_id, replacing=earlier.get("source"))  # a crash below leaves nothing unlisted
+        replaced = tmp / "replaced"
+        replaced.mkdir()
         for name in folders:
-            move_into_place(tmp / name, target / name)
+            if os.path.lexists(target / name):
+                os.rename(_inside(target, name), replaced / name)
+            os.rename(tmp / name, target / name)
         for name in stale:
-            shutil.rmtree(target / name, ignore_errors=True)
+            if os.path.lexists(target / name):
+                os.rename(_inside(target, name), replaced / name)
+        fsync_dir(target)
         _write_marker(target, folders, {f for f in new_files if f.split("/", 1)[0] in folders}, origin, run_id)
         return folders
     finally:
@@ -240,6 +291,11 @@ def write_export(target: Path, fill: Callable[[Path], None], origin: str, run_id
 
 
 def _write_marker(folder: Path, folders: list[str], files_written: set[str], origin: str,
-                  run_id: Optional[str]) -> None:
-    atomic_write_text(folder / MARKER, json.dumps({"written_by": "comlrl", "source": origin, "run_id": run_id,
-                                                   "folders": folders, "files": sorted(files_written)}, indent=1))
+                  run_id: Optional[str], replacing: Any = False) -> None:
+    """Write :data:`MARKER`; ``replacing`` (the earlier export's source, or None when it named
+    none) marks the export incomplete: its folders are being swapped."""
+    record = {"written_by": "comlrl", "source": origin, "run_id": run_id, "folders": folders,
+              "files": sorted(files_written), "complete": replacing is False}
+    if replacing is not False:
+        record["replacing"] = replacing
+    atomic_write_text(folder / MARKER, json.dumps(record, indent=1))
