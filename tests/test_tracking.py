@@ -358,3 +358,29 @@ def test_a_resumed_tensorboard_file_sorts_after_the_interrupted_ones(tmp_path):
     (tmp_path / f"events.out.tfevents.{now:010d}.{socket.gethostname()}.1.9").write_bytes(b"")
     _after_existing_files(tmp_path)
     assert int(time.time()) > now
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dangling link"])
+def test_a_metrics_file_that_is_no_regular_file_is_refused_at_once(tmp_path, kind):
+    """A FIFO at metrics.jsonl blocked train() forever (read before it was checked); a directory
+    gave a raw IsADirectoryError (issue 29 item 5)."""
+    from comlrl import CheckpointDirError
+    from comlrl.tracking.jsonl import JsonlSink
+
+    path = tmp_path / "metrics.jsonl"
+    {"fifo": lambda: os.mkfifo(path), "directory": path.mkdir,
+     "dangling link": lambda: path.symlink_to(tmp_path / "elsewhere")}[kind]()
+
+    def expire(*_):
+        raise TimeoutError("opening the metrics file blocked")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(10)
+    try:
+        with pytest.raises(CheckpointDirError, match="metrics file"):
+            JsonlSink(path, run_id="r" * 32)
+        with pytest.raises(CheckpointDirError, match="metrics file"):
+            JsonlSink(path, run_id="r" * 32, keep_until_step=4)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert os.path.lexists(path) and not (tmp_path / "elsewhere").exists()  # left as it was
