@@ -88,3 +88,49 @@ def test_a_reexport_drops_stale_folders_and_leaves_no_old_copies(tmp_path):
     assert write_export(target, _fill("two", ("agent_0",)), origin="b") == ["agent_0"]
     assert sorted(p.name for p in target.iterdir()) == [MARKER, "agent_0"]
     assert export_record(target)["files"] == ["agent_0/model.safetensors"]
+
+
+def test_a_killed_exports_scratch_beside_a_new_target_is_removed_by_the_next(tmp_path):
+    target = tmp_path / "final"
+    dead = tmp_path / f".tmp-export-final-{2**22 + 12345}-deadbeef"  # a pid above Linux's limit: not running
+    (dead / "agent_0").mkdir(parents=True)
+    (dead / "agent_0" / "model.safetensors").write_text("partial")
+    live = tmp_path / f".tmp-export-final-{os.getpid()}-cafe0000"  # a running export's: left alone
+    live.mkdir()
+    other = tmp_path / ".tmp-export-elsewhere-1-0"  # another target's
+    other.mkdir()
+    write_export(target, _fill("one"), origin="a")
+    assert not dead.exists() and live.is_dir() and other.is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, "final"])
+
+
+def test_a_full_disk_is_a_clear_error_and_leaves_the_earlier_export(tmp_path, monkeypatch):
+    from comlrl.exceptions import CheckpointError
+
+    target = tmp_path / "final"
+    write_export(target, _fill("one"), origin="a")
+
+    def full(tmp):
+        raise OSError(28, "No space left on device", str(tmp / "agent_0" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="No space left on device.*holds the earlier export"):
+        write_export(target, full, origin="b")
+    assert export_record(target)["complete"] and (target / "agent_0" / "model.safetensors").read_text() == "one"
+    assert sorted(p.name for p in target.iterdir()) == [MARKER, "agent_0", "agent_1"]
+    with pytest.raises(CheckpointError, match="nothing was written"):
+        write_export(tmp_path / "new", full, origin="b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_a_large_foreign_folder_is_refused_without_walking_it(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    target = tmp_path / "data"
+    for i in range(3):
+        (target / f"shard{i}").mkdir(parents=True)
+        (target / f"shard{i}" / "part.bin").write_text("x")
+    walked = []
+    real_rglob = Path.rglob
+    monkeypatch.setattr(Path, "rglob", lambda self, pattern: walked.append(self) or real_rglob(self, pattern))
+    with pytest.raises(ConfigError, match="already holds files export did not write \\(shard0, shard1, shard2\\)"):
+        write_export(target, _fill("one"), origin="a")
+    assert walked == []

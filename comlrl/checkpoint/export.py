@@ -15,7 +15,9 @@ own ``agent_0/``, a run directory, ``.``).
 
 from __future__ import annotations
 
+import glob
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -64,9 +66,12 @@ def export_checkpoint(checkpoint: str | os.PathLike, out: str | os.PathLike, mer
             ``comlrl export --config`` / ``trainer.save_model`` for those).
         ConfigError: ``out`` holds files export did not write, or a merge's base is not the run's.
     """
+    from .manager import as_checkpoint_error
+
     source = Path(checkpoint)
-    manifest = files.verify(source)
-    state = validate_state(files.read_state(source), source, manifest["checkpoint"])
+    with as_checkpoint_error(source):  # a checkpoint pruned meanwhile: a CheckpointError, not a traceback
+        manifest = files.verify(source)
+        state = validate_state(files.read_state(source, manifest), source, manifest["checkpoint"])
     folders = state["folders"]
     if not folders:
         raise CheckpointError(f"{source} does not record its export folders (written before comlrl stored them); "
@@ -92,7 +97,14 @@ def _copy_verified(src: Path, dst: Path, info: dict[str, Any]) -> None:
     """Copy ``src`` and check the copy's bytes against the manifest (the source may change
     between the verification and the copy)."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dst, follow_symlinks=False)
+    try:
+        shutil.copyfile(src, dst, follow_symlinks=False)
+    except FileNotFoundError:
+        if os.path.lexists(src):
+            raise
+        raise CheckpointError(f"{src} disappeared while it was exported (a running training pruning its checkpoints, "
+                              "checkpoint_total_limit?); nothing was written. Export a checkpoint the run keeps, or "
+                              "after the run.") from None
     digest = hashlib.sha256()
     with open(dst, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
@@ -210,7 +222,9 @@ def _present(target: Path) -> set[str]:
 
 def _earlier_export(target: Path) -> Optional[dict[str, Any]]:
     """None for a new ``target``; the record of an earlier export (empty for an empty directory)
-    when that is all ``target`` holds; else a ConfigError naming what is in the way."""
+    when that is all ``target`` holds; else a ConfigError naming what is in the way. Only the
+    top level and the recorded folders are looked at: a large folder of the user's is refused at
+    its first entry, never walked."""
     refuse_link(target, "the export directory", ConfigError)
     if not target.exists():
         return None
@@ -219,14 +233,48 @@ def _earlier_export(target: Path) -> Optional[dict[str, Any]]:
                           "the export.")
     recorded = export_record(target)
     record = recorded or {"folders": [], "files": [], "run_id": None}
-    foreign = sorted(_present(target) - set(record["files"]))
-    entries = sorted(p.name for p in target.iterdir() if not p.name.startswith(_TMP))
-    if foreign or (recorded is None and entries):
-        found = foreign or entries
-        raise ConfigError(f"{target} already holds files export did not write ({', '.join(found[:5])}"
-                          f"{', ...' if len(found) > 5 else ''}); nothing was written or removed. Choose a new or "
+    allowed = set(record["folders"]) | {MARKER}
+    foreign = list(itertools.islice((p.name for p in target.iterdir()
+                                     if p.name not in allowed and not p.name.startswith(_TMP)), 6))
+    if not foreign:
+        listed = set(record["files"])
+        foreign = list(itertools.islice((rel for name in record["folders"] if (target / name).is_dir()
+                                         and not (target / name).is_symlink()
+                                         for rel in sorted(f"{name}/{r}" for r in _present(target / name))
+                                         if rel not in listed), 6))
+        foreign += [name for name in record["folders"] if (target / name).is_symlink()][:1]
+    if foreign:
+        raise ConfigError(f"{target} already holds files export did not write ({', '.join(sorted(foreign)[:5])}"
+                          f"{', ...' if len(foreign) > 5 else ''}); nothing was written or removed. Choose a new or "
                           "empty directory.")
     return record
+
+
+def _scratch(parent: Path, target: Path) -> Path:
+    """A new scratch folder for an export of ``target`` in ``parent``, named after the target and
+    this process (``.tmp-export-<name>-<pid>-<hex>``); those a killed export left there (its
+    process gone) are removed first."""
+    prefix = f"{_TMP}{target.name}-" if parent != target else _TMP
+    for leftover in parent.glob(f"{glob.escape(prefix)}*"):
+        pid = leftover.name[len(prefix):].split("-")[0]
+        if leftover.is_dir() and not leftover.is_symlink() and (parent == target or not _alive(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+    tmp = parent / f"{prefix}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def _alive(pid: str) -> bool:
+    """Whether process ``pid`` (a scratch folder's writer) still runs; unknown counts as alive."""
+    if not pid.isdigit():
+        return True
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def check_export_target(target: Path) -> None:
@@ -250,44 +298,52 @@ def write_export(target: Path, fill: Callable[[Path], None], origin: str, run_id
     earlier = _earlier_export(target)
     parent = target if earlier is not None else target.parent
     parent.mkdir(parents=True, exist_ok=True)
-    if earlier is not None:  # an interrupted export's scratch folder
-        for leftover in target.glob(f"{_TMP}*"):
-            shutil.rmtree(leftover, ignore_errors=True)
-    tmp = parent / f"{_TMP}{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = _scratch(parent, target)
     try:
-        fill(tmp)
-        folders = sorted(p.name for p in tmp.iterdir())
-        bad = [name for name in folders if not _plain_folder(name)]
-        if bad:
-            raise ConfigError(f"an export writes plain top-level folders (agent_0, critic), not {bad[:3]}; nothing "
-                              "was written.")
-        fsync_tree(tmp)
-        if earlier is None:
-            _write_marker(tmp, folders, _present(tmp), origin, run_id)
-            os.rename(tmp, target)
-            fsync_dir(target.parent)
-            return folders
-        _earlier_export(target)  # again: nothing of the user's appeared meanwhile
-        stale = [f for f in earlier["folders"] if f not in folders]
-        new_files = {f"{name}/{rel}" for name in folders for rel in _present(tmp / name)} | {
-            rel for rel in earlier["files"] if rel.split("/", 1)[0] in stale}
-        _write_marker(target, sorted(set(earlier["folders"]) | set(folders)), new_files | set(earlier["files"]),
-                      origin, run_id, replacing=earlier.get("source"))  # a crash below leaves nothing unlisted
-        replaced = tmp / "replaced"
-        replaced.mkdir()
-        for name in folders:
-            if os.path.lexists(target / name):
-                os.rename(_inside(target, name), replaced / name)
-            os.rename(tmp / name, target / name)
-        for name in stale:
-            if os.path.lexists(target / name):
-                os.rename(_inside(target, name), replaced / name)
-        fsync_dir(target)
-        _write_marker(target, folders, {f for f in new_files if f.split("/", 1)[0] in folders}, origin, run_id)
-        return folders
+        return _swap_in(target, tmp, earlier, fill, origin, run_id)
+    except OSError as exc:  # a full disk, a folder that vanished: a clear error, not a traceback
+        kept = ("nothing was written" if earlier is None else
+                f"{target} holds the earlier export, or one its marker calls incomplete, which the next export replaces")
+        raise CheckpointError(f"writing the export to {target} failed: {exc.strerror or exc}"
+                              f"{f' ({exc.filename})' if exc.filename else ''}; {kept}. Free space (an export needs "
+                              "the size of its models beside the target) and export again.") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _swap_in(target: Path, tmp: Path, earlier: Optional[dict[str, Any]], fill: Callable[[Path], None], origin: str,
+             run_id: Optional[str]) -> list[str]:
+    """Fill ``tmp`` and put it in place as ``target`` (see :func:`write_export`)."""
+    fill(tmp)
+    folders = sorted(p.name for p in tmp.iterdir())
+    bad = [name for name in folders if not _plain_folder(name)]
+    if bad:
+        raise ConfigError(f"an export writes plain top-level folders (agent_0, critic), not {bad[:3]}; nothing "
+                          "was written.")
+    fsync_tree(tmp)
+    if earlier is None:
+        _write_marker(tmp, folders, _present(tmp), origin, run_id)
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+        return folders
+    _earlier_export(target)  # again: nothing of the user's appeared meanwhile
+    stale = [f for f in earlier["folders"] if f not in folders]
+    new_files = {f"{name}/{rel}" for name in folders for rel in _present(tmp / name)} | {
+        rel for rel in earlier["files"] if rel.split("/", 1)[0] in stale}
+    _write_marker(target, sorted(set(earlier["folders"]) | set(folders)), new_files | set(earlier["files"]),
+                  origin, run_id, replacing=earlier.get("source"))  # a crash below leaves nothing unlisted
+    replaced = tmp / "replaced"
+    replaced.mkdir()
+    for name in folders:
+        if os.path.lexists(target / name):
+            os.rename(_inside(target, name), replaced / name)
+        os.rename(tmp / name, target / name)
+    for name in stale:
+        if os.path.lexists(target / name):
+            os.rename(_inside(target, name), replaced / name)
+    fsync_dir(target)
+    _write_marker(target, folders, {f for f in new_files if f.split("/", 1)[0] in folders}, origin, run_id)
+    return folders
 
 
 def _write_marker(folder: Path, folders: list[str], files_written: set[str], origin: str,
