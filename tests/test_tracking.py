@@ -384,3 +384,15 @@ def test_a_metrics_file_that_is_no_regular_file_is_refused_at_once(tmp_path, kin
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert os.path.lexists(path) and not (tmp_path / "elsewhere").exists()  # left as it was
+
+
+def test_a_metric_name_with_a_lone_surrogate_does_not_stop_tensorboard(tmp_path):
+    """A name built from undecodable bytes (issue 29): written escaped, as MLflow's sink cleans its
+    names, instead of a UnicodeEncodeError out of train()."""
+    pytest.importorskip("tensorboard")
+    from comlrl.tracking.tensorboard import TensorBoardTracker
+
+    tracker = TensorBoardTracker(tmp_path / "tb")
+    tracker.log({"reward/\udcff": 1.0, "loss": 2.0}, step=1)
+    tracker.close()
+    assert read_scalars(tmp_path / "tb") == {"reward/\\udcff": [(1, 1.0)], "loss": [(1, 2.0)]}
