@@ -525,8 +525,9 @@ def test_train_under_torchrun(tmp_path):
     (["--comparator_api_key", "VALUE-123456"], "--comparator_api_key carries a secret"),
     (["--comparator_api_key=VALUE-123456"], "set comparator_api_key_env"),
     (["--trainer.args.comparator_api_headers", "{X-Authentication: VALUE-123456}"], "comparator_api_headers carries"),
-    (["--comparator_api_url", "https://judge.example/v1?key=VALUE-123456"], "a URL with a query"),
-    (["--trainer.wandb_config.notes", "sk-" + "a" * 30], "looks like a credential"),
+    (["--comparator_api_url", "https://judge.example/v1?key=VALUE-123456"], "a URL query"),
+    (["--trainer.wandb_config.notes", "sk-" + "a" * 30], "carries a credential"),
+    (["--trainer.wandb_config", "{project: p, settings: {api_key: VALUE-123456}}"], "a secret key inside a YAML"),
 ])
 def test_a_secret_on_the_command_line_is_refused_before_anything_starts(tmp_path, capsys, extra, shown):
     """W&B records argv in its run files (as do shell history and ps): issue 29 item 6."""

@@ -234,12 +234,28 @@ def refuse_secret_arguments(argv: Sequence[str]) -> None:
                 else ""
             raise CliError(f"{flag} carries a secret, and the command line is recorded (W&B's run files, shell history, "
                            f"ps){env}, or write it in the YAML config. Nothing was started.")
-        value = inline if token.startswith("--") and has_value else token
-        if not token.startswith("--") and redact(value) != value or token.startswith("--") and has_value \
-                and redact(inline) != inline:
-            raise CliError(f"an argument looks like a credential or a URL with a query ({redact(value)!r}), and the "
-                           "command line is recorded (W&B's run files, shell history, ps); write it in the YAML config "
-                           "(or an environment variable the config names). Nothing was started.")
+        if token.startswith("--") and not has_value:
+            continue
+        value = inline if token.startswith("--") else token
+        shown = _hidden(value)
+        if shown != value:
+            raise CliError(f"an argument carries a credential (by its shape, a URL query, or a secret key inside a YAML "
+                           f"value: {shown!r:.120}), and the command line is recorded (W&B's run files, shell "
+                           "history, ps); write it in the YAML config (or an environment variable the config names). "
+                           "Nothing was started.")
+
+
+def _hidden(value: str) -> Any:
+    """A command-line value with its secrets hidden (by shape, or as YAML: ``{api_key: ...}``);
+    ``value`` itself when it holds none."""
+    shown = redact(value)
+    if shown != value:
+        return shown
+    try:
+        parsed = parse_value(value)
+    except CliError:  # a YAML bomb: refused later, with its own message
+        return value
+    return redact(parsed) if isinstance(parsed, (dict, list)) and redact(parsed) != parsed else value
 
 
 def _split_other_flags(argv: Sequence[str], known: set[str]) -> tuple[list[str], list[tuple[str, Optional[str]]]]:
