@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 __all__ = ["atomic_write_text", "fsync_dir", "fsync_tree", "move_into_place", "refuse_link", "own_dir",
-           "open_regular", "temp_sibling"]
+           "open_regular", "read_regular", "temp_sibling"]
 
 
 def refuse_link(path: str | os.PathLike, what: str, error: Callable[[str], Exception]) -> None:
@@ -54,6 +54,25 @@ def open_regular(path: str | os.PathLike, flags: int, what: str, error: Callable
         raise error(f"{what} {path} is {kind}; comlrl writes only files of its own there. Remove it or use another "
                     "directory.")
     return fd
+
+
+def read_regular(path: str | os.PathLike, what: str, error: Callable[[str], Exception]) -> bytes:
+    """The bytes of the regular file at ``path``, opened without blocking and without following a
+    link: a FIFO (which a plain open would wait on forever), a directory, a device or a link is
+    refused with ``error(message)``."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        refuse_link(path, what, error)
+        raise error(f"{what} {path} cannot be read: {exc.strerror or exc}. Remove what is there or use another "
+                    "directory.") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise error(f"{what} {path} is not a regular file (a FIFO, a directory or a device); comlrl keeps only files "
+                    "of its own there. Remove it or use another directory.")
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read()
 
 
 def temp_sibling(path: str | os.PathLike, suffix: str = ".tmp") -> Path:

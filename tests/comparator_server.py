@@ -16,6 +16,8 @@ that many requests for ``server.stall_seconds`` (longer than the client's timeou
     huge        200 with a body of ``server.huge_bytes`` bytes
     echo        401 whose body echoes every request header (a key among them)
     long        200 with completions far longer than max_new_tokens
+    busy        429 with ``Retry-After: server.retry_after``
+    surrogates  200 with completions that JSON spells with lone surrogates (``"\\ud800"``)
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class ComparatorServer(_Served):
         self.fail_next = self.stall_next = 0
         self.stall_seconds = 3.0
         self.faults: list[str] = []
+        self.retry_after = "1"
         self.redirect_to, self.drip_seconds, self.huge_bytes = "", 0.2, 1 << 20
         server = self
 
@@ -164,6 +167,9 @@ FAULTS = {
     "huge": lambda h, s, b: _send(h, 200, b"[" + b"1," * (s.huge_bytes // 2) + b"1]"),
     "echo": _echo,
     "long": _long,
+    "busy": lambda h, s, b: _send(h, 429, b'{"error": "slow down"}', {"Retry-After": str(s.retry_after)}),
+    "surrogates": lambda h, s, b: _send(h, 200, b'{"completions": ' + b'["half \\ud800 pair", "\\udfff alone"]' * 1
+                                        + b'}'),
 }
 
 

@@ -219,3 +219,23 @@ def test_export_of_a_tampered_checkpoint_writes_nothing(tmp_path, model_path):
     with pytest.raises(CheckpointError, match="agent-1/config.json"):
         export_checkpoint(checkpoint, tmp_path / "final")
     assert not (tmp_path / "final").exists()
+
+
+def test_export_racing_checkpoint_pruning_is_a_clear_error(tmp_path, model_path, monkeypatch):
+    """A checkpoint pruned by a running training while it is exported: a CheckpointError, no
+    traceback, and nothing written (issue 29)."""
+    import comlrl.checkpoint.export as export_module
+
+    _, checkpoint = _trained(tmp_path, "magrpo", model_path)
+    real_copy = export_module.shutil.copyfile
+
+    def pruned_meanwhile(src, dst, **kwargs):
+        if checkpoint.exists():
+            shutil.rmtree(checkpoint)
+        return real_copy(src, dst, **kwargs)
+    monkeypatch.setattr(export_module.shutil, "copyfile", pruned_meanwhile)
+    with pytest.raises(CheckpointError, match="disappeared while it was exported"):
+        export_checkpoint(checkpoint, tmp_path / "final")
+    assert not (tmp_path / "final").exists() and not list(tmp_path.glob(".tmp-export-*"))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        export_checkpoint(checkpoint, tmp_path / "final")

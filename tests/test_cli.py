@@ -521,3 +521,20 @@ def test_train_under_torchrun(tmp_path):
     assert result.stdout.count("MAGRPO trained to epoch 2") == 1
     assert sorted(p.name for p in (tmp_path / "runs" / "ddp").glob("checkpoint-*")) == ["checkpoint-1",
                                                                                         "checkpoint-2"]
+
+
+@pytest.mark.parametrize("extra, shown", [
+    (["--comparator_api_key", "VALUE-123456"], "--comparator_api_key carries a secret"),
+    (["--comparator_api_key=VALUE-123456"], "set comparator_api_key_env"),
+    (["--trainer.args.comparator_api_headers", "{X-Authentication: VALUE-123456}"], "comparator_api_headers carries"),
+    (["--comparator_api_url", "https://judge.example/v1?key=VALUE-123456"], "a URL query"),
+    (["--trainer.wandb_config.notes", "sk-" + "a" * 30], "carries a credential"),
+    (["--trainer.wandb_config", "{project: p, settings: {api_key: VALUE-123456}}"], "a secret key inside a YAML"),
+])
+def test_a_secret_on_the_command_line_is_refused_before_anything_starts(tmp_path, capsys, extra, shown):
+    """W&B records argv in its run files (as do shell history and ps): issue 29 item 6."""
+    config = write_config(tmp_path)
+    assert main(["train", str(config), "--trainer", "MADPOIter", *extra]) == 2
+    err = capsys.readouterr().err
+    assert shown in err and "VALUE-123456" not in err and "a" * 30 not in err, err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "wandb").exists()

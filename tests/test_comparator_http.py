@@ -89,7 +89,8 @@ def test_a_server_that_echoes_the_key_never_puts_it_in_the_error(server, compara
     with pytest.raises(ComparatorError) as caught:
         comparator(comparator_api_headers=headers).candidates("Hello", 0, {}, 2)
     message = str(caught.value)
-    assert "HTTP 401" in message and "visible" in message and "<redacted>" in message
+    # every header's value is a secret (issue 29): even X-Trace's is never echoed into an error
+    assert "HTTP 401" in message and '"X-Trace": "<redacted>"' in message and "visible" not in message
     assert SECRET not in message and "9" * 20 not in message
     assert server.headers[0]["Authorization"] == f"Bearer {SECRET}"  # the endpoint itself got the key
 
@@ -134,3 +135,25 @@ def test_the_key_is_needed_to_train_not_to_build_or_export(model_path, tokenizer
     with pytest.raises(ConfigError, match="comparator_api_key_env='UNSET_COMPARATOR_KEY' names an environment"):
         trainer.train(checkpoint_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_retry_after_is_honoured_and_capped(server, comparator, monkeypatch):
+    """A 429 asking for 2 s was retried after 0.5 s (issue 29); a huge Retry-After is capped."""
+    import comlrl.trainers.preference.comparators as comparators
+
+    server.faults, server.retry_after = ["busy"], "2"
+    start = time.monotonic()
+    assert len(comparator(comparator_api_retries=1).candidates("Hello", 0, {}, 2)) == 2
+    assert time.monotonic() - start >= 2.0  # not the 0.5 s backoff
+    monkeypatch.setattr(comparators, "RETRY_AFTER_CAP", 0.2)
+    server.faults, server.retry_after = ["busy"], str(10**9)
+    start = time.monotonic()
+    assert len(comparator(comparator_api_retries=1).candidates("Hello", 0, {}, 2)) == 2
+    assert time.monotonic() - start < 10.0
+
+
+def test_completions_with_lone_surrogates_reach_the_tokenizer_as_valid_text(server, comparator, tokenizer):
+    server.faults = ["surrogates"]
+    got = comparator().candidates("Hello", 0, {}, 2)
+    assert got == ["half \ufffd pair", "\ufffd alone"]
+    assert all(tokenizer(text)["input_ids"] for text in got)  # a lone surrogate made the tokenizer raise

@@ -17,14 +17,22 @@ BODY_SECRET = "body-" + "2" * 24
 NESTED_SECRET = "nest-" + "3" * 24
 SHAPED_SECRET = "sk-live-" + "4" * 28
 KEY = "key-" + "6" * 24
-SECRETS = (HEADER_SECRET, BODY_SECRET, NESTED_SECRET, SHAPED_SECRET, KEY)
+URL_SECRET = "urlkey" + "7" * 24
+PLAIN_SECRET = "plain" + "8" * 24  # no shape: hidden only by where it is or by its (compound) name
+SHAPES = ("glpat-" + "g" * 20, "ya29." + "y" * 30, "gsk_" + "q" * 40, "r8_" + "r" * 30, "pplx-" + "p" * 40)
+COMPOUND = ("accesstoken", "authtoken", "apitoken", "secretkey", "privatekey", "sessionid")
+SECRETS = (HEADER_SECRET, BODY_SECRET, NESTED_SECRET, SHAPED_SECRET, KEY, URL_SECRET, PLAIN_SECRET, *SHAPES)
 
 SETTINGS = dict(
     comparator_api_headers={"X-Auth-Token": HEADER_SECRET, "Cookie": f"session={HEADER_SECRET}", "X-Trace": "visible",
-                            "Proxy-Authorization": f"Basic {HEADER_SECRET}"},
+                            "Proxy-Authorization": f"Basic {HEADER_SECRET}", "X-Authentication": PLAIN_SECRET},
     comparator_api_extra_body={"api_key": BODY_SECRET, "options": {"clientSecret": NESTED_SECRET, "seed": 7},
-                               "note": f"Bearer {SHAPED_SECRET}", "user": SHAPED_SECRET, "max_tokens": 5},
+                               "note": f"Bearer {SHAPED_SECRET}", "user": SHAPED_SECRET, "max_tokens": 5,
+                               "tenant": PLAIN_SECRET},
+    comparator_api_url=f"https://judge.example/v1/compare?key={URL_SECRET}&api-version=2024",
     comparator_api_key=KEY)
+# Elsewhere in what a run records (W&B's config sections): compound names and key shapes.
+EXTRA_SECTION = {**{name: PLAIN_SECRET for name in COMPOUND}, **{f"note{i}": s for i, s in enumerate(SHAPES)}, "ok": 1}
 
 
 def assert_clean(text: str, where: str = "") -> None:
@@ -37,6 +45,8 @@ def assert_clean(text: str, where: str = "") -> None:
     ("access_token", True), ("clientSecret", True), ("db_password", True), ("comparator_api_key", True),
     ("comparator_api_key_env", False), ("comparator_api_key_header", False), ("comparator_api_key_prefix", False),
     ("max_new_tokens", False), ("max_tokens", False), ("tokenizer", False), ("author", False), ("X-Trace", False),
+    *((name, True) for name in (*COMPOUND, "X-Authentication", "accessToken", "session_id_token", "X-Session-Id")),
+    ("authored_by", False), ("session_name", False),
 ])
 def test_secret_names(name, secret):
     assert is_secret_name(name) is secret
@@ -45,7 +55,7 @@ def test_secret_names(name, secret):
 @pytest.mark.parametrize("text, secret", [
     ("Bearer abcdefghijklmnop1234", True), ("sk-ant-" + "a" * 30, True), ("ghp_" + "b" * 36, True),
     ("AKIAABCDEFGHIJKLMNOP", True), ("eyJhbGciOiJIUzI1.eyJzdWIiOiIxMjM0.SflKxwRJSMeKKF2QT4", True),
-    ("https://user:pw@example.com/x", True),
+    ("https://user:pw@example.com/x", True), *((shape, True) for shape in SHAPES),
     ("Count each token carefully", False), ("https://example.com/generate", False), ("Bearer", False),
 ])
 def test_secret_shapes(text, secret):
@@ -65,10 +75,14 @@ def test_to_dict_and_repr_show_no_secret():
     config = MADPOIterConfig(**SETTINGS)
     shown = config.to_dict()
     assert shown["comparator_api_key"] == REDACTED
-    assert shown["comparator_api_headers"] == {"X-Auth-Token": REDACTED, "Cookie": REDACTED, "X-Trace": "visible",
-                                               "Proxy-Authorization": REDACTED}
+    # every header's value, and every string of the extra body, is a secret (numbers stay: resume compares them)
+    assert shown["comparator_api_headers"] == {"X-Auth-Token": REDACTED, "Cookie": REDACTED, "X-Trace": REDACTED,
+                                               "Proxy-Authorization": REDACTED, "X-Authentication": REDACTED}
     assert shown["comparator_api_extra_body"] == {"api_key": REDACTED, "options": {"clientSecret": REDACTED, "seed": 7},
-                                                  "note": REDACTED, "user": REDACTED, "max_tokens": 5}
+                                                  "note": REDACTED, "user": REDACTED, "max_tokens": 5,
+                                                  "tenant": REDACTED}
+    assert shown["comparator_api_url"] == f"https://judge.example/v1/compare?key={REDACTED}&api-version={REDACTED}"
+    assert redact(EXTRA_SECTION) == {**{k: REDACTED for k in EXTRA_SECTION}, "ok": 1}
     assert config.comparator_api_headers["X-Auth-Token"] == HEADER_SECRET  # the live value is untouched
     for text in (repr(config), str(config), json.dumps(shown)):
         assert_clean(text)
@@ -103,7 +117,8 @@ def trained(model_path, tokenizer, tmp_path, monkeypatch):
                                train_dataset=[{"prompt": p} for p in SEED_PROMPTS[:2]],
                                args=MADPOIterConfig(**settings),
                                wandb_config={"project": "p", "dir": str(tmp_path),
-                                             "config_sections": {"extra": {"password": KEY, "ok": 1}}})
+                                             "config_sections": {"extra": {"password": KEY, "ok": 1},
+                                                                 "more": EXTRA_SECTION}})
     trainer.train(checkpoint_dir=tmp_path / "run")
     return trainer, tmp_path, settings
 
@@ -113,6 +128,7 @@ def test_no_file_of_a_run_and_no_tracker_holds_a_secret(trained):
     state = json.loads((root / "run" / "checkpoint-1" / "trainer_state.json").read_text())
     assert state["config"]["comparator_api_extra_body"]["api_key"] == REDACTED
     assert state["fingerprints"]["config"]["comparator_api_extra_body"]["options"]["clientSecret"] == REDACTED
+    assert state["config"]["comparator_api_url"].endswith(f"?key={REDACTED}&api-version={REDACTED}")
     files = [p for p in root.rglob("*") if p.is_file() and p.name != "mlflow.db"]
     assert any("offline-run" in str(p) for p in files)  # W&B's own files are among them
     for path in files:

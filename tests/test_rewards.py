@@ -138,6 +138,23 @@ def test_a_raising_reward_is_wrapped_with_its_name():
     assert isinstance(info.value.__cause__, KeyError)
 
 
+def test_a_reward_failing_with_a_key_in_its_message_never_shows_it():
+    """A reward calling an API fails with the key in the text: the message and every traceback
+    hide it (issue 29); a clean message keeps its cause (above)."""
+    import traceback
+
+    key = "sk-proj-" + "k" * 32
+
+    def api_reward(completions1, completions2):
+        raise RuntimeError(f"401 from https://judge.example/score?api_key={key}: bad key {key}")
+
+    with pytest.raises(RewardError, match="api_reward raised RuntimeError: 401 from") as info:
+        call(api_reward)
+    shown = "".join(traceback.format_exception(info.value))
+    assert key not in shown and "<redacted>" in str(info.value)
+    assert info.value.original.args[0].endswith(key)  # kept for the program, never printed
+
+
 def test_a_type_error_inside_the_reward_is_not_retried():
     """CoMLRL 1.4.3 calls the function a second time without keywords on any TypeError."""
     calls = []

@@ -494,3 +494,21 @@ def test_row_uniforms_per_row_generators():
     # prefixes agree: a shorter draw is the start of a longer one
     assert torch.equal(row_uniforms([6], 10)[0], u[1, :10])
     assert row_uniforms([], 4).shape == (0, 4)
+
+
+def test_a_prompt_filling_the_context_is_refused_not_run_past_it():
+    """A prompt longer than the model's context ran one forward for 90 s (issue 29): refused with
+    what to change; a prompt that leaves room has its completion cut to fit."""
+    from types import SimpleNamespace
+
+    from comlrl import DataError
+    from comlrl.rollout.sampling import SamplingParams
+    from comlrl.rollout.transformers_loop import fit_context
+
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=16))
+    params = SamplingParams(max_new_tokens=8)
+    assert fit_context([model], [12], params).max_new_tokens == 4
+    assert fit_context([model], [15], params).max_new_tokens == 1
+    for width in (16, 4000):
+        with pytest.raises(DataError, match=f"a prompt of {width} tokens does not fit the model's context of 16"):
+            fit_context([model], [width], params)

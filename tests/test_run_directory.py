@@ -223,7 +223,8 @@ def test_save_model_never_replaces_what_it_did_not_write(make_trainer, tmp_path,
     out = tmp_path / "out"
     (out / "agent_0").mkdir(parents=True)
     (out / "agent_0" / "my_notes.txt").write_text("the user's own agent_0")
-    with pytest.raises(ConfigError, match="already holds files export did not write \\(agent_0/my_notes.txt\\)"):
+    # refused at its top-level entry: a folder of the user's is never walked (issue 29)
+    with pytest.raises(ConfigError, match="already holds files export did not write \\(agent_0\\)"):
         trainer.save_model(out)
     assert (out / "agent_0" / "my_notes.txt").read_text() == "the user's own agent_0"
     # `comlrl export CK .`: an empty working directory is written into, never renamed or removed.

@@ -361,3 +361,67 @@ def test_a_resumed_tensorboard_file_sorts_after_the_interrupted_ones(tmp_path):
     (tmp_path / f"events.out.tfevents.{now:010d}.{socket.gethostname()}.1.9").write_bytes(b"")
     _after_existing_files(tmp_path)
     assert int(time.time()) > now
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dangling link"])
+def test_a_metrics_file_that_is_no_regular_file_is_refused_at_once(tmp_path, kind):
+    """A FIFO at metrics.jsonl blocked train() forever (read before it was checked); a directory
+    gave a raw IsADirectoryError (issue 29 item 5)."""
+    from comlrl import CheckpointDirError
+    from comlrl.tracking.jsonl import JsonlSink
+
+    path = tmp_path / "metrics.jsonl"
+    {"fifo": lambda: os.mkfifo(path), "directory": path.mkdir,
+     "dangling link": lambda: path.symlink_to(tmp_path / "elsewhere")}[kind]()
+
+    def expire(*_):
+        raise TimeoutError("opening the metrics file blocked")
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(10)
+    try:
+        with pytest.raises(CheckpointDirError, match="metrics file"):
+            JsonlSink(path, run_id="r" * 32)
+        with pytest.raises(CheckpointDirError, match="metrics file"):
+            JsonlSink(path, run_id="r" * 32, keep_until_step=4)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert os.path.lexists(path) and not (tmp_path / "elsewhere").exists()  # left as it was
+
+
+def test_a_metric_name_with_a_lone_surrogate_does_not_stop_tensorboard(tmp_path):
+    """A name built from undecodable bytes (issue 29): written escaped, as MLflow's sink cleans its
+    names, instead of a UnicodeEncodeError out of train()."""
+    pytest.importorskip("tensorboard")
+    from comlrl.tracking.tensorboard import TensorBoardTracker
+
+    tracker = TensorBoardTracker(tmp_path / "tb")
+    tracker.log({"reward/\udcff": 1.0, "loss": 2.0}, step=1)
+    tracker.close()
+    assert read_scalars(tmp_path / "tb") == {"reward/\\udcff": [(1, 1.0)], "loss": [(1, 2.0)]}
+
+
+def test_an_mlflow_store_that_refuses_is_a_tracker_error_not_a_traceback(tmp_path, monkeypatch):
+    """A store that cannot be written (issue 29): a TrackerError saying what to change, with any
+    password of the URI hidden."""
+    pytest.importorskip("mlflow")
+    from types import SimpleNamespace
+
+    from comlrl import TrackerError
+    from comlrl.tracking.trackers import TrackerContext, open_trackers
+
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the store's folder would be")
+    args = SimpleNamespace(mlflow_tracking_uri=f"sqlite:///{blocker}/sub/mlflow.db", mlflow_experiment_name=None,
+                           mlflow_run_name=None)
+    ctx = TrackerContext(folder=tmp_path, run_id="a" * 32, resume_step=None, run_config={"seed": 1}, identities={},
+                         keep_at_boundary=lambda row: True)
+    with pytest.raises(TrackerError, match="MLflow could not open a run at sqlite:///.*leave 'mlflow' out of "
+                                           "report_to") as caught:
+        open_trackers(["mlflow"], args, None, ctx)
+    assert caught.value.__cause__ is None
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # MLflow's own retries would take minutes
+    args.mlflow_tracking_uri = "http://user:hunter2-secret@127.0.0.1:9/"  # nothing listens on port 9
+    with pytest.raises(TrackerError) as caught:
+        open_trackers(["mlflow"], args, None, ctx)
+    assert "hunter2-secret" not in str(caught.value)

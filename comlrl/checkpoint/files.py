@@ -40,7 +40,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import _remove_duplicate_names, load_file, save_file
+from safetensors.torch import _remove_duplicate_names, save_file
 
 from .._io import fsync_dir, fsync_tree, move_into_place
 from ..exceptions import CheckpointError
@@ -50,7 +50,7 @@ __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATE_FILE", "MANIFEST_FILE",
            "checkpoint_entries", "is_committed", "list_checkpoints", "foreign_checkpoints", "looks_like", "tree_hashes",
            "read_manifest", "read_state", "verify", "snapshot", "write_checkpoint", "temporary_checkpoint_dir", "load_module",
            "read_optimizer", "load_optimizer", "load_tensors", "remove_checkpoints", "storage_key",
-           "join_optimizer_state", "steps_as_scalars"]
+           "join_optimizer_state", "steps_as_scalars", "read_verified"]
 
 FORMAT_VERSION = 3
 READABLE_VERSIONS = (2, 3)  # 2: one model.safetensors per slot, no side files
@@ -263,15 +263,11 @@ def verify_listing(path: Path, expected: Iterable[str], manifest: Optional[dict[
                               f"{missing or 'none'}, unexpected {extra or 'none'}.")
 
 
-def read_state(path: str | os.PathLike) -> dict[str, Any]:
-    """``trainer_state.json`` of a checkpoint, after checking it against the manifest's hash (no
-    tensor file is read)."""
+def read_state(path: str | os.PathLike, manifest: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """``trainer_state.json`` of a checkpoint, after checking it against the hash in ``manifest``
+    (default: the checkpoint's, read now); no tensor file is read."""
     path = Path(path)
-    info = read_manifest(path)["files"][STATE_FILE]
-    raw = (path / STATE_FILE).read_bytes() if (path / STATE_FILE).is_file() else None
-    if raw is None or len(raw) != info["bytes"] or hashlib.sha256(raw).hexdigest() != info["sha256"]:
-        raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is missing or does not match its recorded sha256 "
-                              "(corrupted or edited).")
+    raw = read_verified(path, STATE_FILE, manifest)
     state = _parse_json(raw, path, STATE_FILE)
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path}: {STATE_FILE} is not a JSON object.")
@@ -279,6 +275,43 @@ def read_state(path: str | os.PathLike) -> dict[str, Any]:
 
 
 # --- optimizer state ---------------------------------------------------------------------------
+
+def read_verified(path: Path, rel: str, manifest: Optional[dict[str, Any]] = None) -> bytes:
+    """The bytes of checkpoint file ``rel``, read once (never through a link) and checked against
+    ``manifest``'s size and sha256 (default: the checkpoint's manifest, read now). What is
+    deserialized is what was hashed: a file replaced after :func:`verify` is refused, never
+    loaded. Costs the file's size in host memory while it is deserialized."""
+    path = Path(path)
+    info = (manifest or read_manifest(path))["files"].get(rel)
+    if info is None:
+        raise CheckpointError(f"checkpoint {path}: {rel} is not listed in its {MANIFEST_FILE}.")
+    try:
+        fd = os.open(path / rel, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise CheckpointError(f"checkpoint {path}: {rel} cannot be read ({exc.strerror or exc}; missing, or a "
+                              "link).") from None
+    with os.fdopen(fd, "rb") as handle:
+        raw = handle.read(info["bytes"] + 1)  # one byte more than recorded: a longer file shows
+    if len(raw) != info["bytes"] or hashlib.sha256(raw).hexdigest() != info["sha256"]:
+        raise CheckpointError(f"checkpoint {path}: {rel} is missing or does not match its recorded sha256 (corrupted, "
+                              "edited, or replaced while it was loaded); nothing of it was loaded.")
+    return raw
+
+
+def _load_verified(path: Path, rel: str, manifest: Optional[dict[str, Any]],
+                   device: Optional[str] = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of safetensors file ``rel``, from the bytes that were hashed."""
+    from safetensors.torch import load as load_bytes
+
+    raw = read_verified(path, rel, manifest)
+    tensors = load_bytes(raw)
+    length = int.from_bytes(raw[:8], "little")  # valid: load() parsed this header
+    metadata = json.loads(raw[8:8 + length]).get("__metadata__") or {}
+    del raw
+    if device is not None and device != "cpu":
+        tensors = {k: v.to(device) for k, v in tensors.items()}
+    return tensors, metadata
+
 
 def _split_optimizer_state(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     tensors: dict[str, torch.Tensor] = {}
@@ -534,16 +567,16 @@ def _loading(path: Path, what: str):
     return _Guard()
 
 
-def load_module(path: Path, slot: str, module: torch.nn.Module, layout: SlotLayout = PLAIN_LAYOUT) -> None:
+def load_module(path: Path, slot: str, module: torch.nn.Module, layout: SlotLayout = PLAIN_LAYOUT,
+                manifest: Optional[dict[str, Any]] = None) -> None:
     """Load ``slot/``'s weight files (``layout``'s parts) into ``module`` in place (strict: every
-    tensor must fit, none may be missing)."""
+    tensor must fit, none may be missing), each from bytes checked against ``manifest``."""
     with _loading(path, f"{slot} weights"):
         device = str(next(module.parameters()).device)
         state: dict[str, torch.Tensor] = {}
         for prefix, file in layout.parts:
-            target = path / slot / file
-            tensors = load_file(str(target), device=device)
-            for alias, kept in _aliases(target).items():
+            tensors, metadata = _load_verified(path, f"{slot}/{file}", manifest, device)
+            for alias, kept in _aliases(metadata).items():
                 if kept in tensors and alias not in tensors:
                     tensors[alias] = tensors[kept]
             state.update({prefix + key: value for key, value in tensors.items()})
@@ -573,16 +606,12 @@ def storage_key(tensor: torch.Tensor) -> tuple:
     return local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape)
 
 
-def _aliases(file: Path) -> dict[str, str]:
+def _aliases(metadata: Mapping[str, str]) -> dict[str, str]:
     """``{alias: kept}`` of the tied tensors a weight file lists once (its metadata)."""
-    from safetensors import safe_open
-
-    with safe_open(str(file), framework="pt") as handle:
-        metadata = handle.metadata() or {}
     return {alias: kept for alias, kept in metadata.items() if alias != "format"}
 
 
-def read_optimizer(path: Path, slot: str, meta: Any) -> dict[str, Any]:
+def read_optimizer(path: Path, slot: str, meta: Any, manifest: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """``slot/optimizer.safetensors`` joined with its JSON hyper-state ``meta``: the state dict
     ``optimizer.load_state_dict`` takes (checked by :mod:`comlrl.checkpoint.hyper` before that)."""
     with _loading(path, f"{slot} optimizer state"):
@@ -590,7 +619,7 @@ def read_optimizer(path: Path, slot: str, meta: Any) -> dict[str, Any]:
                 or not isinstance(meta.get("scalars"), dict) or \
                 not all(isinstance(v, dict) for v in meta["scalars"].values()):
             raise CheckpointError(f"checkpoint {path}: optimizers[{slot!r}] is malformed.")
-        tensors = load_file(str(path / slot / OPTIMIZER_FILE))
+        tensors, _ = _load_verified(path, f"{slot}/{OPTIMIZER_FILE}", manifest)
         return join_optimizer_state(meta, tensors)
 
 
@@ -600,10 +629,11 @@ def load_optimizer(path: Path, slot: str, optimizer: torch.optim.Optimizer, stat
         optimizer.load_state_dict(state)
 
 
-def load_tensors(path: Path, rel: str) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file of the checkpoint (e.g. :data:`RNG_FILE`)."""
+def load_tensors(path: Path, rel: str, manifest: Optional[dict[str, Any]] = None) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file of the checkpoint (e.g. :data:`RNG_FILE`), from bytes
+    checked against ``manifest``."""
     with _loading(path, rel):
-        return load_file(str(path / rel))
+        return _load_verified(path, rel, manifest)[0]
 
 
 def remove_checkpoints(paths: Iterable[Path]) -> None:

@@ -63,10 +63,14 @@ class Slots:
 def read_checkpoint(path: str | os.PathLike, expected: Optional[set[str]] = None) -> dict[str, Any]:
     """Verify checkpoint ``path`` (every file's hash; exactly ``expected`` files if given) and
     return its validated state. Anything malformed, however, is a CheckpointError."""
-    path = Path(path)
+    return _verified(Path(path), expected)[0]
+
+
+def _verified(path: Path, expected: Optional[set[str]] = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(state, manifest)`` of checkpoint ``path``, both from one reading of its manifest."""
     with as_checkpoint_error(path):
         manifest = files.verify(path, expected)
-        return validate_state(files.read_state(path), path, manifest["checkpoint"])
+        return validate_state(files.read_state(path, manifest), path, manifest["checkpoint"]), manifest
 
 
 @contextlib.contextmanager
@@ -122,7 +126,8 @@ def _state_of(path: Path) -> Optional[dict[str, Any]]:
         return None
 
 
-def _checked_optimizer_states(path: Path, state: dict[str, Any], slots: Slots) -> dict[str, dict[str, Any]]:
+def _checked_optimizer_states(path: Path, state: dict[str, Any], slots: Slots,
+                              manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every slot's optimizer state, read and checked with its scheduler's against the live ones
     (:mod:`comlrl.checkpoint.hyper`); nothing is loaded yet. A sharded module's optimizer reads only
     this process's part of each moment (a collective)."""
@@ -134,10 +139,22 @@ def _checked_optimizer_states(path: Path, state: dict[str, Any], slots: Slots) -
         if module is not None and sharded.is_sharded_module(module):
             out[slot] = sharded.load_sharded_optimizer(path, slot, optimizer, state["optimizers"][slot])
         else:
-            out[slot] = files.read_optimizer(path, slot, state["optimizers"][slot])
+            out[slot] = files.read_optimizer(path, slot, state["optimizers"][slot], manifest)
         check_optimizer_state(path, slot, optimizer, out[slot], state["schedulers"].get(slot)
                               if slot in slots.schedulers else None)
     return out
+
+
+def _check_step_counter(path: Path, state: dict[str, Any]) -> None:
+    """``global_step`` counts the agents' optimizer steps, and each agent's schedule steps once
+    per optimizer step (a skipped step moves neither): a counter that disagrees with the schedules
+    (checked against their own rates already) was edited."""
+    steps = {slot: saved["last_epoch"] for slot, saved in state["schedulers"].items() if slot.startswith("agent-")}
+    global_step = state["counters"]["global_step"]
+    if steps and max(steps.values()) != global_step:
+        raise CheckpointError(f"checkpoint {path}: global_step is {global_step}, while its agents' schedules took "
+                              f"{max(steps.values())} optimizer steps ({steps}); the counters were edited. Resume from "
+                              "another checkpoint.")
 
 
 def _refuse_foreign(directory: Path, resumed_number: Optional[int]) -> None:
@@ -362,35 +379,41 @@ class CheckpointManager:
              saved_fingerprints: Callable[[dict[str, Any]], dict[str, Any]] = lambda s: s["fingerprints"],
              rank: int = 0) -> dict[str, Any]:
         """Verify ``path``, check that it belongs to a run set up like this one, and load every
-        slot, the schedulers and this process's random states. Returns the validated state."""
+        slot, the schedulers and this process's random states. Returns the validated state.
+
+        Every file is read once more as it is deserialized and its bytes checked against the one
+        manifest read here: a file replaced after the verification (another checkpoint's weights
+        or optimizer swapped in) is refused, never loaded."""
         path = Path(path)
-        state = read_checkpoint(path)
+        state, manifest = _verified(path)
         differences = compare_fingerprints(saved_fingerprints(state), dict(fingerprints))
         if differences:
             raise ResumeMismatchError(str(path), differences)
-        version = format_version(path)
-        files.verify_listing(path, slots.expected_files(version), side_folders=slots.modules if version >= 3 else ())
+        version = manifest["format_version"]
+        files.verify_listing(path, slots.expected_files(version), manifest,
+                             side_folders=slots.modules if version >= 3 else ())
         if set(state["optimizers"]) != set(slots.optimizers) or set(state["schedulers"]) != set(slots.schedulers):
             raise CheckpointError(f"checkpoint {path}: its optimizer / scheduler slots "
                                   f"{sorted(state['optimizers'])} do not match this trainer's {sorted(slots.optimizers)}.")
-        optimizer_states = _checked_optimizer_states(path, state, slots)  # before any live state changes
+        optimizer_states = _checked_optimizer_states(path, state, slots, manifest)  # before live state changes
+        _check_step_counter(path, state)
+        rng_tensors = files.load_tensors(path, files.RNG_FILE, manifest)
         if slots.data is not None:
-            state["data"] = files.load_tensors(path, files.DATA_FILE)
+            state["data"] = files.load_tensors(path, files.DATA_FILE, manifest)
         for slot, module in slots.modules.items():
             if sharded.is_sharded_module(module):
                 sharded.load_sharded_module(path, slot, module)
             else:
-                files.load_module(path, slot, module, slots.layout(slot, version))
+                files.load_module(path, slot, module, slots.layout(slot, version), manifest)
         for slot, optimizer in slots.optimizers.items():
             files.load_optimizer(path, slot, optimizer, optimizer_states[slot])
         for slot, scheduler in slots.schedulers.items():
             scheduler.load_state_dict(state["schedulers"][slot])
-        self._restore_rng(path, state, rank)
+        self._restore_rng(path, state, rank, rng_tensors)
         return state
 
     @staticmethod
-    def _restore_rng(path: Path, state: dict[str, Any], rank: int) -> None:
-        tensors = files.load_tensors(path, files.RNG_FILE)
+    def _restore_rng(path: Path, state: dict[str, Any], rank: int, tensors: dict[str, torch.Tensor]) -> None:
         try:
             if 0 < rank < state["world_size"]:
                 prefix = f"rank{rank}/"

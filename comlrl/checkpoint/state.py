@@ -20,6 +20,7 @@ from ..tracking.wandb import check_identity
 __all__ = ["COUNTERS", "validate_state", "counters_of"]
 
 COUNTERS = ("epoch", "items_in_epoch", "global_step", "env_step", "checkpoint", "last_logged_env_step")
+INT64_MAX = 2**63 - 1  # every counter fits an int64 (TensorBoard, W&B and torch take its steps as one)
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -67,8 +68,9 @@ def validate_state(state: dict[str, Any], path: Path, number: int) -> dict[str, 
     counters = state["counters"]
     for name in COUNTERS:
         value = counters.get(name)
-        if not _int(-1 if name == "last_logged_env_step" else 0)(value):
-            raise CheckpointError(f"checkpoint {path}: counter {name!r} must be a non-negative int, got {value!r}.")
+        if not _int(-1 if name == "last_logged_env_step" else 0)(value) or value > INT64_MAX:
+            raise CheckpointError(f"checkpoint {path}: counter {name!r} must be a non-negative int below 2**63, "
+                                  f"got {value!r:.40}.")
     if counters["checkpoint"] != number:
         raise CheckpointError(f"checkpoint {path}: its state says checkpoint {counters['checkpoint']}, its directory "
                               f"{number} (renamed or edited).")

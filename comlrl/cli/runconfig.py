@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from ..exceptions import ConfigError, DataError
 from .registry import TrainerEntry, init_parameters, lookup_trainer, train_parameters
+from .._redact import is_secret_container, is_secret_name, redact
 from .yamlconf import CliError, Document, Key, dotted, load_document, parse_value
 
 __all__ = ["RunSpec", "Option", "options_for", "parse_run_args", "check_run", "locate_error", "TRAIN_EXTRAS"]
@@ -171,6 +172,7 @@ def parse_run_args(argv: Sequence[str], prog: str, usage: str, description: str,
     The trainer (from ``--trainer``, else the config, else ``default_trainer`` of the fixed
     arguments, else MAGRPO) decides which flags exist, so the arguments are read twice: once for
     the config and the trainer, then with that trainer's flags."""
+    refuse_secret_arguments(argv)
     first = argparse.ArgumentParser(prog=prog, add_help=False, allow_abbrev=False)
     add_fixed(first)
     first.add_argument("--trainer", "--trainer.name", dest="_trainer", default=None)
@@ -217,6 +219,43 @@ def parse_run_args(argv: Sequence[str], prog: str, usage: str, description: str,
     for flag, value in other:
         _dotted_override(doc, flag, value, sorted(known_flags), entry)
     return ns, doc, entry
+
+
+def refuse_secret_arguments(argv: Sequence[str]) -> None:
+    """Refuse a secret on the command line: argv is recorded by W&B (its run files), shell history
+    and ``ps``, which the config file and the environment are not. A flag naming a secret field
+    (``--comparator_api_key``, headers, an extra request body) or a value shaped like a credential
+    (or a URL carrying a query) is a CliError before anything is read or started."""
+    for token in argv:
+        flag, has_value, inline = token.partition("=")
+        if token.startswith("--") and any(is_secret_name(p) or is_secret_container(p) for p in flag[2:].split(".")):
+            field = flag[2:].split(".")[-1]
+            env = f"; set {field}_env to the name of an environment variable holding it" if field.endswith("key") \
+                else ""
+            raise CliError(f"{flag} carries a secret, and the command line is recorded (W&B's run files, shell history, "
+                           f"ps){env}, or write it in the YAML config. Nothing was started.")
+        if token.startswith("--") and not has_value:
+            continue
+        value = inline if token.startswith("--") else token
+        shown = _hidden(value)
+        if shown != value:
+            raise CliError(f"an argument carries a credential (by its shape, a URL query, or a secret key inside a YAML "
+                           f"value: {shown!r:.120}), and the command line is recorded (W&B's run files, shell "
+                           "history, ps); write it in the YAML config (or an environment variable the config names). "
+                           "Nothing was started.")
+
+
+def _hidden(value: str) -> Any:
+    """A command-line value with its secrets hidden (by shape, or as YAML: ``{api_key: ...}``);
+    ``value`` itself when it holds none."""
+    shown = redact(value)
+    if shown != value:
+        return shown
+    try:
+        parsed = parse_value(value)
+    except CliError:  # a YAML bomb: refused later, with its own message
+        return value
+    return redact(parsed) if isinstance(parsed, (dict, list)) and redact(parsed) != parsed else value
 
 
 def _split_other_flags(argv: Sequence[str], known: set[str]) -> tuple[list[str], list[tuple[str, Optional[str]]]]:

@@ -18,6 +18,7 @@ import torch
 
 from ..exceptions import TransitionError
 from ..rollout import Rollout
+from .rewards import user_failure
 from .timing import PhaseTimer
 
 __all__ = ["Node", "Turn", "ExternalTransition", "play_episodes"]
@@ -90,7 +91,7 @@ class ExternalTransition:
         try:
             out = self.func(**{k: v for k, v in values.items() if k in self.keywords})
         except Exception as exc:
-            raise TransitionError(f"external_transition {self.name} raised {type(exc).__name__}: {exc}") from exc
+            raise user_failure(TransitionError, f"external_transition {self.name}", exc)
         if isinstance(out, str) or not isinstance(out, Sequence) or len(out) != self.num_agents:
             raise TransitionError(f"external_transition {self.name} must return a list of {self.num_agents} next "
                                   f"prompts (one per agent), got {out!r:.120}.")

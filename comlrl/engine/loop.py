@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
 
 from . import distributed as dist
-from ..exceptions import ConfigError, TrackerError
+from ..exceptions import ConfigError, TrackerError, TrainingError
 from ..tracking import Tracker
 from .timing import PhaseTimer
 
@@ -173,9 +173,19 @@ class RunLoop:
     def _epoch(self, progress: Any) -> None:
         t = self.t
         epoch, order = t.state.epoch, t.epoch_order(t.state.epoch)
-        while t.state.items_in_epoch < len(order):
+        if not 0 <= t.state.items_in_epoch < len(order):
+            # Never spin: an epoch that cannot advance is a bad counter (a forged or foreign
+            # checkpoint) or an empty epoch order, both errors to name.
+            raise TrainingError(f"epoch {epoch + 1} cannot make progress: items_in_epoch is {t.state.items_in_epoch}, "
+                                f"while the epoch has {len(order)} prompt(s). A resumed checkpoint whose counters do "
+                                "not fit this dataset was edited or belongs to another setup; resume from another "
+                                "checkpoint.")
+        while True:
             start = t.state.items_in_epoch
             indices = order[start:start + t._buffer_prompts()]
+            if not indices:
+                raise TrainingError(f"epoch {epoch + 1}: a buffer of {t._buffer_prompts()} prompt(s) at prompt {start} "
+                                    f"of {len(order)} holds none; training would make no progress.")
             self._evaluate_if_due(start, len(indices), len(order))
             self._raise_tracker_failure()
             steps_before = t.state.global_step

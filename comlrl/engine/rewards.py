@@ -39,10 +39,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .._redact import redact_text
 from ..exceptions import RewardError
 
 __all__ = ["RewardCall", "plan_reward_call", "check_reward_binding", "reward_is_batched", "RewardFunction",
-           "to_float_list", "FLOAT32_MAX", "BATCHED_ATTRIBUTE"]
+           "to_float_list", "FLOAT32_MAX", "BATCHED_ATTRIBUTE", "user_failure"]
 
 KEYWORDS = ("prompts", "batch_items")
 #: The attribute that opts a reward function into one call per task item (see the module docstring).
@@ -72,6 +73,22 @@ class RewardCall:
             kwargs["prompts"] = list(prompts)
         return args, kwargs
 
+
+
+def user_failure(error: type[Exception], what: str, exc: Exception) -> Exception:
+    """``error`` saying that the user's ``what`` raised ``exc``, its message with credentials
+    hidden (a reward calling an API may fail with its key in the text). The original is chained
+    as the cause when its message is clean; otherwise it is kept out of every traceback, on the
+    error's ``original`` attribute only."""
+    text = str(exc)
+    shown = redact_text(text)
+    failure = error(f"{what} raised {type(exc).__name__}: {shown}")
+    if shown == text:
+        failure.__cause__ = exc
+    else:
+        failure.__suppress_context__ = True
+        failure.original = exc  # type: ignore[attr-defined]
+    return failure
 
 def _signature(func: Callable, signature: Optional[inspect.Signature] = None) -> Optional[inspect.Signature]:
     if signature is not None:
@@ -222,7 +239,7 @@ class RewardFunction:
         try:
             values = self.func(*args, **kwargs)
         except Exception as exc:  # the user's code failed: say so, keep the original as the cause
-            raise RewardError(f"reward function {self.name} raised {type(exc).__name__}: {exc}") from exc
+            raise user_failure(RewardError, f"reward function {self.name}", exc)
         return to_float_list(values)
 
     def _score(self, values: list[Any], count: int) -> torch.Tensor:
@@ -258,7 +275,7 @@ class RewardFunction:
             try:
                 processed = [self.processor(r) for r in rewards]
             except Exception as exc:
-                raise RewardError(f"reward_processor raised {type(exc).__name__}: {exc}") from exc
+                raise user_failure(RewardError, "reward_processor", exc)
             rewards = check_rewards(processed, count, f"reward_processor after {self.name}", batched=self.batched)
         return torch.tensor(rewards, dtype=torch.float64)
 

@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..exceptions import DataError
 from ..functional.losses import completion_mask
 from . import lean as fast_decode
 from .sampling import Rollout, SamplingParams, decode_completions, left_pad, row_uniforms, sample_tokens
@@ -143,13 +144,18 @@ _CUT_WARNED: set = set()
 def fit_context(models: Sequence[torch.nn.Module], prompt_widths: Sequence[int], params: SamplingParams
                 ) -> SamplingParams:
     """``params`` with max_new_tokens lowered so that prompt and completion fit every model's context
-    window (said once per window): completions are cut there rather than running past it."""
+    window (said once per window): completions are cut there rather than running past it. A prompt
+    that fills the window by itself is a DataError."""
     room = params.max_new_tokens
     for model, width in zip(models, prompt_widths):
         config = getattr(model, "config", None)
         window = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         if isinstance(window, int):
-            room = min(room, max(1, window - width))
+            if width >= window:  # no room for one token: the forward would run past the model's positions
+                raise DataError(f"a prompt of {width} tokens does not fit the model's context of {window} positions "
+                                "(none would be left for the completion); shorten the prompts (or a multi-turn "
+                                "history) or leave such rows out of the dataset.")
+            room = min(room, window - width)
     if room == params.max_new_tokens:
         return params
     if room not in _CUT_WARNED:

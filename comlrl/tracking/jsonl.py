@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from .._io import atomic_write_text, open_regular, refuse_link
+from .._io import atomic_write_text, open_regular, read_regular, refuse_link
 from ..exceptions import CheckpointDirError
 
 logger = logging.getLogger("comlrl")
@@ -60,8 +60,9 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         refuse_link(self.path, "the metrics file", CheckpointDirError)
         kept: list[str] = []
-        if self.path.exists():
-            lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+        if os.path.lexists(self.path):
+            lines = read_regular(self.path, "the metrics file", CheckpointDirError).decode(
+                "utf-8", errors="replace").splitlines()
             foreign = True
             if keep_until_step is not None:
                 kept, foreign = _rows_of_run(lines, run_id, keep_until_step, keep_at_boundary)

@@ -55,6 +55,13 @@ def _after_existing_files(log_dir: Path) -> None:
         time.sleep(0.05)
 
 
+def tag_of(key: Any) -> str:
+    """``key`` as a tag TensorBoard can write: its event files are UTF-8, so a lone surrogate (a
+    metric name built from undecodable bytes) is written as its ``\\udxxx`` escape instead of
+    stopping training."""
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class TensorBoardTracker:
     """Scalars of every row at ``step`` (``env_step``), one tag per metric key.
 
@@ -87,7 +94,7 @@ class TensorBoardTracker:
 
     def log(self, row: Mapping[str, Any], step: int) -> None:
         for key, value in self.filter.new_values(row, step).items():
-            self.writer.add_scalar(key, value, global_step=step)
+            self.writer.add_scalar(tag_of(key), value, global_step=step)
 
     def sync(self) -> None:
         self.writer.flush()

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, runtime_checkable
 
 from .._imports import install_hint
-from ..exceptions import CheckpointDirError, CheckpointError, ConfigError
+from .._redact import redact_text
+from ..exceptions import CheckpointDirError, CheckpointError, ComlrlError, ConfigError, TrackerError
 
 __all__ = ["Tracker", "TrackerContext", "TRACKERS", "check_report_to", "check_report_to_installed",
            "active_trackers", "open_trackers", "check_tracker_identities", "INSTALL_HINTS"]
@@ -205,7 +206,16 @@ def _open(name: str, args: Any, wandb_config: Optional[Mapping[str, Any]], ctx: 
     if name == "mlflow":
         from .mlflow import MlflowTracker
 
-        return MlflowTracker(tracking_uri=args.mlflow_tracking_uri, experiment_name=args.mlflow_experiment_name,
-                             run_name=args.mlflow_run_name, run_config=ctx.run_config, comlrl_run_id=ctx.run_id,
-                             identity=ctx.identities.get("mlflow"), resume_step=ctx.resume_step)
+        try:
+            return MlflowTracker(tracking_uri=args.mlflow_tracking_uri, experiment_name=args.mlflow_experiment_name,
+                                 run_name=args.mlflow_run_name, run_config=ctx.run_config, comlrl_run_id=ctx.run_id,
+                                 identity=ctx.identities.get("mlflow"), resume_step=ctx.resume_step)
+        except ComlrlError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a store that refuses (read-only, unreachable): say what to change
+            where = args.mlflow_tracking_uri or "MLflow's default store (MLFLOW_TRACKING_URI or ./mlruns)"
+            first = (str(exc).strip().splitlines() or [""])[0][:300]
+            raise TrackerError(redact_text(f"MLflow could not open a run at {where}: {type(exc).__name__}: {first}. "
+                                           "Nothing was trained; make the store reachable and writable "
+                                           "(mlflow_tracking_uri) or leave 'mlflow' out of report_to.")) from None
     raise ConfigError(f"unknown tracker {name!r}")

@@ -22,6 +22,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, Mapping, Optional, Sequence, TypeVar
@@ -41,7 +42,15 @@ T = TypeVar("T")
 
 
 class _Retry(Exception):
-    """A try that failed in a way a later try may not (timeouts, broken or malformed replies)."""
+    """A try that failed in a way a later try may not (timeouts, broken or malformed replies);
+    ``after``: the seconds the server asked to wait (``Retry-After``), if it did."""
+
+    def __init__(self, message: str, after: Optional[float] = None):
+        super().__init__(message)
+        self.after = after
+
+
+RETRY_AFTER_CAP = 60.0  # the longest Retry-After honoured between two tries, in seconds
 
 
 def _run(make: Callable[[], Awaitable[T]]) -> T:
@@ -69,6 +78,35 @@ def jsonable(value: Any) -> Any:
         except (TypeError, ValueError):
             pass
     return str(value)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads pairs the valid ones: what is left is lone
+
+
+def _valid_text(text: str) -> str:
+    """``text`` as valid Unicode: JSON may spell lone surrogates (``"\\ud800"``), which no
+    tokenizer can encode; each becomes U+FFFD, as undecodable bytes do."""
+    return _SURROGATE.sub("\ufffd", text)
+
+
+def _retry_after(value: Optional[str]) -> Optional[float]:
+    """Seconds a ``Retry-After`` header asks for (a number of seconds or an HTTP date), or None."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        from email.utils import parsedate_to_datetime
+
+        try:
+            when = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when is None or when.tzinfo is None:
+            return None
+        seconds = when.timestamp() - time.time()
+    return max(0.0, seconds) if seconds == seconds else None  # NaN: no usable wait
 
 
 def _texts(items: Any) -> list[str]:
@@ -130,7 +168,7 @@ class ApiComparator:
         the headers and the extra body."""
         sent = self._key_header[1] if self._key_header else None
         key = sent[len(self._key_prefix):].strip() if sent else None
-        return [s for s in (sent, key) if s] + secrets_in(self.headers) + secrets_in(self.extra)
+        return [s for s in (sent, key) if s] + secrets_in(self.headers, "headers") + secrets_in(self.extra, "extra_body")
 
     # --- one prompt ------------------------------------------------------------------------------
     def candidates(self, prompt: str, agent: int, item: Mapping[str, Any], count: int) -> list[str]:
@@ -140,7 +178,7 @@ class ApiComparator:
         per_request = 1 if self.format in ("anthropic", "openai_responses") else (self.max_n or count)
         while len(out) < count:
             n = min(per_request, count - len(out))
-            got = self._texts_of(self._post(self._body(prompt, agent, item, n)))
+            got = [_valid_text(t) for t in self._texts_of(self._post(self._body(prompt, agent, item, n)))]
             if not got:
                 raise ComparatorError(f"the comparator API at {self.url} returned no completion for agent {agent} "
                                       f"({self.format} format, {n} asked).")
@@ -189,21 +227,22 @@ class ApiComparator:
 
     def _post(self, body: dict[str, Any]) -> Any:
         """POST with up to ``retries`` retries (see the module docstring), waiting 0.5 s, 1 s,
-        2 s, ... between tries; the parsed JSON reply."""
+        2 s, ... between tries, or what a 429 / 503's ``Retry-After`` asks (at most
+        :data:`RETRY_AFTER_CAP`); the parsed JSON reply."""
         if not self._checked:
             self.check_key()
         data = json.dumps(body, allow_nan=False).encode("utf-8")
         headers = dict(self.headers)
         if self._key_header is not None:
             headers[self._key_header[0]] = self._key_header[1]
-        last = ""
+        last, asked = "", None
         for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+            if attempt:  # the backoff, or longer when the server said so (capped: a hostile reply cannot stall us)
+                time.sleep(max(min(0.5 * 2 ** (attempt - 1), 8.0), min(asked or 0.0, RETRY_AFTER_CAP)))
             try:
                 return self._attempt(data, headers)
             except _Retry as exc:
-                last = str(exc)
+                last, asked = str(exc), exc.after
         raise ComparatorError(self._scrub(
             f"the comparator API at {self.url} failed {self.retries + 1} time(s) (timeout {self.timeout:g} s for each "
             f"whole request); last error: {last}. Nothing of this iteration was trained; resume from the last "
@@ -246,7 +285,7 @@ class ApiComparator:
                     detail = (await _read(reply, _DETAIL_BYTES, cut=True)).decode("utf-8", "replace")
                     last = self._scrub(f"HTTP {reply.status_code}: {detail}")
                     if reply.status_code in _RETRY_STATUS:
-                        raise _Retry(last)
+                        raise _Retry(last, _retry_after(reply.headers.get("retry-after")))
                     raise ComparatorError(f"the comparator API at {self.url} refused the request ({last}).")
                 declared = reply.headers.get("content-length", "")
                 if declared.isdigit() and int(declared) > self.max_bytes:
