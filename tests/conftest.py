@@ -62,7 +62,10 @@ def make_trainer(model_path, tokenizer, tmp_path):
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (scripts/test.sh: ``--dist loadgroup``) the sandbox's tests share one worker:
     they bound programs by wall-clock timeouts and start process pools of their own, so they run one
-    at a time beside the rest of the suite rather than beside each other."""
+    at a time beside the rest of the suite rather than beside each other. Slow tests (minutes each:
+    learning, kill -9, subprocess runs) go first, in their own order, so that no worker starts one
+    when the others are done; the rest keep theirs."""
     for item in items:
         if item.path.name.startswith("test_sandbox"):
             item.add_marker(pytest.mark.xdist_group("sandbox"))
+    items[:] = sorted(items, key=lambda item: item.get_closest_marker("slow") is None)
