@@ -91,3 +91,12 @@ def test_split_refuses_an_empty_part(size):
 def test_bad_counts_are_refused():
     with pytest.raises(ValueError, match="rows_per_composition"):
         generated_rows(rows_per_composition=0)
+
+
+def test_more_rows_per_composition_keep_the_same_split():
+    """A corpus drawn with more rows per composition (the code model's) holds no eval composition
+    of the default split (which compositions exist and which are held out cannot depend on it)."""
+    _, evals = generated_split()
+    train4, evals4 = generated_split(rows_per_composition=4)
+    assert evals4["task_id"] == evals["task_id"] and evals4["prompt"] == evals["prompt"]
+    assert not set(train4["composition"]) & set(evals["composition"])

@@ -186,7 +186,7 @@ def _row(comp: _Composition, rng: random.Random, tests: int, index: int) -> dict
     main = f"def {comp.name}({arg}):\n    values = aux({arg})\n    return {comp.second.code}\n"
     body = f"    values = {comp.first.code}\n    return {comp.second.code}\n"
     test = "def check(candidate):\n" + "".join(f"    assert candidate({v!r}) == {comp.answer(v)!r}\n" for v in cases)
-    return {"task_id": f"Generated/{index}", "prompt": prompt, "entry_point": comp.name, "test": test,
+    return {"task_id": f"Generated/{comp.name}/{index}", "prompt": prompt, "entry_point": comp.name, "test": test,
             "canonical_solution": body, "aux_solution": aux, "main_solution": main, "composition": comp.key}
 
 
@@ -196,15 +196,21 @@ def _rank(key: str, seed: int) -> str:
 
 def generated_rows(seed: int = 0, rows_per_composition: int = 1, tests: int = 5) -> list[dict[str, Any]]:
     """Rows of every composition (``rows_per_composition`` each, with their own example and test
-    inputs drawn from ``seed``), ordered by a hash of ``(seed, composition)``: the same on every
-    machine for the same arguments."""
+    inputs), ordered by a hash of ``(seed, composition)``: the same on every machine for the same
+    arguments. Each composition draws from a generator of its own seeded by ``(seed,
+    composition)``, so its first rows, and which compositions there are, do not depend on
+    ``rows_per_composition``."""
     if rows_per_composition < 1 or tests < 1:
         raise ValueError(f"rows_per_composition and tests must be >= 1, got {rows_per_composition} and {tests}.")
-    rng = random.Random(seed)
     out: list[dict[str, Any]] = []
     for comp in sorted(compositions(), key=lambda c: _rank(c.key, seed)):
-        for _ in range(rows_per_composition):
-            row = _row(comp, rng, tests, len(out))
+        rng = random.Random(_rank(comp.key, seed))
+        first = _row(comp, rng, tests, 0)
+        if first is None:
+            continue  # redundant: no draw tells it from its second step alone
+        out.append(first)
+        for k in range(1, rows_per_composition):
+            row = _row(comp, rng, tests, k)
             if row is not None:
                 out.append(row)
     return out
