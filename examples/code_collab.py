@@ -5,7 +5,7 @@ calls it; the code-collaboration reward runs each joint program's unit tests in 
     python examples/code_collab.py --turns 2                       # turn 2 sees the failing tests
     python examples/code_collab.py --task humaneval --model Qwen/Qwen2.5-Coder-1.5B-Instruct --epochs 4
 
-By default the agents are the small code model of comlrl.testing.code_model_dir() (a ~0.4M-parameter
+By default the agents are the small code model of comlrl.testing.code_model_dir() (a 395k-parameter
 Qwen2 fine-tuned offline on the train split of the generated task; built on first use, a few
 minutes on 2 CPU cores, then cached) and the task is comlrl.tasks.code.generated_split(): two-step
 problems (a helper's step, then the main function's) whose eval problems are compositions the
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, default=64, help="train problems")
     parser.add_argument("--eval-size", type=int, default=48, help="held-out problems for pass@1")
     parser.add_argument("--eval-every", type=int, default=16, help="evaluate before every this many train problems")
-    parser.add_argument("--lr", type=float, default=None, help="default: 1e-3 for the small model, 5e-6 otherwise")
+    parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 for the small model, 5e-6 otherwise")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", "--out", dest="output_dir", default=None,
@@ -110,7 +110,8 @@ def main() -> None:
             eval_logger=code_eval_logger(sandbox), eval_aggregator=pass_at_k_aggregator(ks=(1,)),
             args=MAGRPOConfig(num_turns=args.turns, num_train_epochs=args.epochs, num_generations=4,
                               max_new_tokens=args.max_new_tokens or (48 if small else 256),
-                              agent_learning_rate=args.lr or (1e-3 if small else 5e-6), logging_steps=1,
+                              agent_learning_rate=args.lr or (1e-4 if small else 5e-6), max_grad_norm=1.0,
+                              logging_steps=1,
                               eval_interval=args.eval_every, eval_num_samples=0, eval_batch_size=16,
                               early_termination_threshold=None, seed=args.seed, output_dir=str(out)),
         )

@@ -45,7 +45,8 @@ def main() -> None:
                                 formatters=[helper_formatter, main_formatter], reward_func=code_collab_reward(sandbox),
                                 train_dataset=train, eval_dataset=evals, eval_logger=code_eval_logger(sandbox),
                                 eval_aggregator=pass_at_k_aggregator(), args=MAGRPOConfig(
-                                    num_generations=4, max_new_tokens=48, eval_num_samples=0, eval_batch_size=16,
+                                    num_turns=1, num_generations=4, max_new_tokens=48, eval_num_samples=0,
+                                    eval_batch_size=16,
                                     seed=args.seed, output_dir=tempfile.mkdtemp(prefix="code-model-eval-")))
         start = time.perf_counter()
         metrics = trainer.evaluate()

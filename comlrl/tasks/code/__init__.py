@@ -19,7 +19,8 @@ from .rewards import (CodeCollabReward, CollabLevels, PassRateReward, code_colla
                       score_collab)
 
 __all__ = [
-    "load_humaneval", "train_eval_split", "generated_split", "generated_rows", "GENERATED_COLUMNS", "humaneval_split", "repeat_rows", "tests_for", "COLUMNS",
+    "load_humaneval", "train_eval_split", "humaneval_split", "repeat_rows", "tests_for", "COLUMNS",
+    "generated_split", "generated_rows", "GENERATED_COLUMNS",
     "helper_formatter", "main_formatter", "single_formatter", "HELPER_NAME",
     "code_collab_reward", "pass_rate_reward", "CodeCollabReward", "PassRateReward", "CollabLevels", "score_collab",
     "test_feedback_transition", "TestFeedback",
