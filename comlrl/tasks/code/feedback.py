@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from ...sandbox import Sandbox
-from .data import tests_for
-from .program import check_item, joint_program, structure
+from .program import joint_checks, structure
 from .prompts import HELPER_NAME
 
 __all__ = ["TestFeedback", "test_feedback_transition"]
@@ -34,9 +33,9 @@ class TestFeedback:
         prompt, entry = str(batch_item["prompt"]), str(batch_item["entry_point"])
         main = agent_completions[-1]
         helper = agent_completions[0] if num_agents > 1 else ""
-        program = joint_program(prompt, entry, main, helper, self.helper_name)
+        [(program, item)] = joint_checks(batch_item, [helper], [main], self.helper_name)
         shape = structure(helper, main, entry, program, self.helper_name)
-        report = self.sandbox.check(*check_item(program, tests_for(batch_item), prompt, entry, self.helper_name))
+        report = self.sandbox.check(*item)
         lines = [f"- {entry} defined and returning: {_mark(shape.main_defined)}",
                  f"- the program parses: {_mark(shape.parses)}",
                  f"- tests passed: {report.passed}/{report.total}"]

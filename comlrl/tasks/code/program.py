@@ -7,10 +7,12 @@ import ast
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Mapping, Optional, Sequence
 
-__all__ = ["extract_function", "extract_imports", "prompt_context", "joint_program", "check_item", "Structure",
-           "structure"]
+from .data import tests_for
+
+__all__ = ["extract_function", "extract_imports", "prompt_context", "joint_program", "check_item", "joint_checks",
+           "Structure", "structure"]
 
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.S)
 
@@ -108,6 +110,23 @@ def check_item(program: str, tests: list[str], prompt: str, entry_point: str, he
     from the prompt (``setup``), so the program cannot replace them (a helper rebinding ``poly``
     to ``lambda xs, x: 0.0`` passes HumanEval/32's tests otherwise)."""
     return program, tests, prompt_context(prompt, entry_point), (entry_point, helper_name)
+
+
+def joint_checks(row: Mapping[str, Any], helpers: Sequence[str], mains: Sequence[str],
+                 helper_name: str = "aux") -> list[tuple[str, tuple]]:
+    """``(program, check item)`` of each joint answer ``(helpers[i], mains[i])`` to the task's
+    ``row`` (its ``prompt``, ``entry_point`` and ``test``): the one path from a row and completions
+    to what the sandbox checks, shared by the rewards, the feedback and the eval logger. Pass
+    empty helpers for one agent."""
+    if len(helpers) != len(mains):
+        raise ValueError(f"joint_checks got {len(helpers)} helpers for {len(mains)} main functions.")
+    prompt, entry = str(row["prompt"]), str(row["entry_point"])
+    tests = tests_for(row)
+    out = []
+    for helper, main in zip(helpers, mains):
+        program = joint_program(prompt, entry, main, helper, helper_name)
+        out.append((program, check_item(program, tests, prompt, entry, helper_name)))
+    return out
 
 
 @dataclass(frozen=True)

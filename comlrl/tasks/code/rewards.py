@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from ...sandbox import Sandbox, TestReport
-from .data import tests_for
-from .program import Structure, check_item, joint_program, structure
+from .program import Structure, joint_checks, structure
 from .prompts import HELPER_NAME
 
 __all__ = ["CollabLevels", "code_collab_reward", "pass_rate_reward", "CodeCollabReward", "PassRateReward",
@@ -97,14 +96,12 @@ class CodeCollabReward:
     def __call__(self, completions1: Sequence[str], completions2: Sequence[str], *,
                  batch_items: Optional[Sequence[Mapping[str, Any]]] = None) -> list[float]:
         row = _row(batch_items, "code_collab_reward")
-        prompt, entry = str(row["prompt"]), str(row["entry_point"])
-        programs = [joint_program(prompt, entry, main, helper, self.helper_name)
-                    for helper, main in zip(completions1, completions2)]
-        shapes = [structure(h, m, entry, p, self.helper_name) for h, m, p in zip(completions1, completions2, programs)]
-        tests = tests_for(row)
+        entry = str(row["entry_point"])
+        checks = joint_checks(row, completions1, completions2, self.helper_name)
+        shapes = [structure(h, m, entry, program, self.helper_name)
+                  for h, m, (program, _) in zip(completions1, completions2, checks)]
         runnable = [i for i, s in enumerate(shapes) if s.main_defined and s.parses]
-        items = [check_item(programs[i], tests, prompt, entry, self.helper_name) for i in runnable]
-        reports = dict(zip(runnable, self.sandbox.check_many(items)))
+        reports = dict(zip(runnable, self.sandbox.check_many([checks[i][1] for i in runnable])))
         levels = CollabLevels(**dict(self.levels))
         return [score_collab(s, reports.get(i), levels) for i, s in enumerate(shapes)]
 
@@ -126,11 +123,8 @@ class PassRateReward:
                              f"{len(completions)} completion lists.")
         mains = completions[-1]
         helpers = completions[0] if len(completions) == 2 else [""] * len(mains)
-        prompt, entry = str(row["prompt"]), str(row["entry_point"])
-        programs = [joint_program(prompt, entry, m, h, self.helper_name) for h, m in zip(helpers, mains)]
-        tests = tests_for(row)
-        return [r.fraction for r in self.sandbox.check_many([check_item(p, tests, prompt, entry, self.helper_name)
-                                                               for p in programs])]
+        items = [item for _, item in joint_checks(row, helpers, mains, self.helper_name)]
+        return [r.fraction for r in self.sandbox.check_many(items)]
 
 
 def code_collab_reward(sandbox: Optional[Sandbox] = None, *, levels: Optional[CollabLevels] = None,

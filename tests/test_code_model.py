@@ -1,0 +1,88 @@
+"""The small code model (comlrl.testing.code_model_dir): fine-tuned offline on the generated task's
+train split only, deterministic, cached, loadable with from_pretrained, and weak but not useless
+on the held-out problems (RL has work to do)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comlrl import testing
+from comlrl.tasks.code import generated_split
+
+
+def test_the_corpus_holds_train_problems_only():
+    pairs = testing.code_sft_corpus()
+    train, evals = generated_split()
+    assert len(pairs) > 2 * len(train)   # several rows per train composition, two roles each
+    held = set(evals["entry_point"])
+    assert not [p for p, _ in pairs if any(f"def {name}(" in p for name in held)]
+    assert {c for _, c in pairs} >= {train[0]["aux_solution"], train[0]["main_solution"]}
+
+
+def test_build_is_deterministic_cached_and_loadable(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    first = testing.code_model_dir(steps=2, cache_dir=tmp_path / "a")
+    second = testing.code_model_dir(steps=2, cache_dir=tmp_path / "b")
+    one, two = (AutoModelForCausalLM.from_pretrained(p).state_dict() for p in (first, second))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()
+    monkeypatch.setattr(testing, "build_code_model", lambda **_: pytest.fail("rebuilt a cached model"))
+    assert testing.code_model_dir(steps=2, cache_dir=tmp_path / "a") == first
+    tokenizer = AutoTokenizer.from_pretrained(first)
+    code = "def aux(numbers):\n    return [x for x in numbers if x > 3]\n"
+    assert tokenizer.decode(tokenizer(code)["input_ids"]) == code
+    assert tokenizer.eos_token == testing.EOS
+
+
+@pytest.mark.slow
+def test_the_warm_model_writes_the_task_s_code(tmp_path):
+    """The warm model answers held-out problems in the task's shape (aux defined, the entry point
+    defined and calling it, the program parsing): eval reward 0.49 of 4.0 measured (a random
+    model: 0.0), pass@1 0.021 (1 of 48; issue 28 asks for 5-50%, not reached yet). The model is
+    built once into the cache."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from comlrl.sandbox import Sandbox
+    from comlrl.tasks.code import (code_collab_reward, code_eval_logger, helper_formatter, main_formatter,
+                                   pass_at_k_aggregator)
+    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
+
+    path = testing.code_model_dir()
+    train, evals = generated_split()
+    with Sandbox(timeout_s=5, workers=2) as sandbox:
+        trainer = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],
+                                tokenizer=AutoTokenizer.from_pretrained(path),
+                                formatters=[helper_formatter, main_formatter], reward_func=code_collab_reward(sandbox),
+                                train_dataset=train, eval_dataset=evals, eval_logger=code_eval_logger(sandbox),
+                                eval_aggregator=pass_at_k_aggregator(),
+                                args=MAGRPOConfig(num_turns=1, num_generations=4, max_new_tokens=48, eval_num_samples=0,
+                                                  eval_batch_size=16, output_dir=str(tmp_path)))
+        metrics = trainer.evaluate()
+        trainer.close()
+    assert metrics["eval/reward_mean"] >= 0.3 and metrics["eval/pass@1"] <= 0.5, metrics
+
+
+@pytest.mark.slow
+def test_the_example_reports_pass_at_1_from_before_training(tmp_path):
+    """examples/code_collab.py on its defaults (small code model, generated task), shortened: the
+    isolation table, eval/pass@1 rows in metrics.jsonl with the first before any update, turn-2
+    pass@1, final_eval.json, the table and the plot."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "examples/code_collab.py", "--train-size", "4", "--eval-size", "4",
+                           "--eval-every", "2", "--turns", "2", "--output-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "sandbox isolation (" in proc.stdout and "turn-2 pass@1" in proc.stdout
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval/pass@1" in r]
+    assert len(evals) == 2 and evals[0]["global_step"] == 0 and "eval/turn_2/pass@1" in evals[0]
+    assert rows[0] is evals[0] and any("train/reward_mean" in r for r in rows)
+    assert "eval/pass@1" in json.loads((tmp_path / "final_eval.json").read_text())
+    assert (tmp_path / "code_collab.png").stat().st_size > 0
