@@ -10,6 +10,9 @@ import torch
 from comlrl import testing
 from comlrl.tasks.code import generated_split
 
+# One worker under xdist: the slow tests build the cached model (minutes); two workers would build it twice.
+pytestmark = pytest.mark.xdist_group("code_model")
+
 
 def test_the_corpus_holds_train_problems_only():
     pairs = testing.code_sft_corpus()
