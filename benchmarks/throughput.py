@@ -37,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
 sys.path.insert(0, str(PEERS))
-from common import (DTYPES, PROMPTS, TRAINERS, emit, model_dtype, parser as runner_parser, peak_gpu_mb,  # noqa: E402
+from common import (DTYPES, PROMPTS, TRAINERS, clock, emit, model_dtype, parser as runner_parser, peak_gpu_mb,  # noqa: E402
                     peak_rss_mb, reward, setup)
 
 MODELS = {
@@ -68,8 +68,33 @@ def model_dir(key: str) -> Path:
 # ------------------------------------------------------------------------------------------------
 # the comlrl run (a subprocess of the driver, like the peers)
 # ------------------------------------------------------------------------------------------------
+def _time_optimizer_steps(optimizers, now) -> list[float]:
+    """Seconds inside the optimizers' ``step()`` calls, summed into the returned one-item list as
+    training runs (torch's public step hooks; the trainer is not changed)."""
+    total, started = [0.0], {}
+
+    def pre(opt, args, kwargs):
+        started[id(opt)] = now()
+
+    def post(opt, args, kwargs):
+        total[0] += now() - started.pop(id(opt))
+
+    for opt in optimizers:
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+    return total
+
+
 def run_ours(argv: list[str]) -> None:
-    args = runner_parser("the seed workload on this comlrl").parse_args(argv)
+    p = runner_parser("the seed workload on this comlrl")
+    p.add_argument("--mixed-precision", default=None, choices=["bf16"],
+                   help="the config's mixed_precision (float32 weights and AdamW, bfloat16 compute)")
+    args = p.parse_args(argv)
+    now = clock(args.clock)
+    if args.clock == "cpu":  # the trainer's phase timers read the same clock
+        from comlrl.engine.timing import PhaseTimer
+
+        PhaseTimer.clock = staticmethod(now)
     prompts = setup(args)
     os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -84,9 +109,9 @@ def run_ours(argv: list[str]) -> None:
                       max_new_tokens=args.max_new_tokens, agent_learning_rate=args.lr,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       logging_steps=1, agent_devices=args.device, advantage_normalization=args.advantage_normalization,
-                      eval_interval=0, output_dir=str(ckpt))
+                      eval_interval=0, output_dir=str(ckpt), mixed_precision=args.mixed_precision)
         dtype = model_dtype(args)
-        built_start = time.perf_counter()
+        built_start = now()
         inputs = dict(agents=[AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype) for _ in range(2)],
                       tokenizer=AutoTokenizer.from_pretrained(args.model_dir), reward_func=reward,
                       train_dataset=[{"prompt": p} for p in prompts])
@@ -113,13 +138,14 @@ def run_ours(argv: list[str]) -> None:
         else:
             trainer = MAGRPOTrainer(args=MAGRPOConfig(**common, rollout_buffer_size=args.rollout_buffer_size,
                                                       train_batch_size=args.train_batch_size), **inputs)
-        built_s = time.perf_counter() - built_start
-        start = time.perf_counter()
+        built_s = now() - built_start
+        optimizer_s = _time_optimizer_steps(trainer.optimizers, now)
+        start = now()
         if args.checkpoint:
             trainer.train(checkpoint_dir=ckpt, checkpoint_interval=1)
         else:
             trainer.train()  # metrics.jsonl still goes to output_dir
-        elapsed = time.perf_counter() - start
+        elapsed = now() - start
         rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
         saved = sorted(p.name for p in ckpt.glob("checkpoint-*"))
     phases: dict[str, float] = {}
@@ -140,9 +166,11 @@ def run_ours(argv: list[str]) -> None:
         "env_steps": env_steps, "env_steps_per_s": env_steps / elapsed,
         "generated_tokens_per_s": tokens / elapsed,
         "phase_seconds_per_epoch": {key: value / args.epochs for key, value in sorted(phases.items())},
+        "optimizer_seconds_per_epoch": optimizer_s[0] / args.epochs,  # part of the update phase
         "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(), "checkpoint_dir_entries": saved,
         "construction_s": built_s,
         "device": str(next(trainer.agents[0].parameters()).device), "dtype": args.dtype,
+        "mixed_precision": args.mixed_precision, "clock": args.clock,
     })
 
 
