@@ -124,6 +124,10 @@ def test_sampling_runs_on_bf16_copies_refreshed_after_each_optimizer_step(make_t
     assert steps == 4 and len(sampled) == 4
     # refreshed once per optimizer step, before the rollout that follows it (none before the first)
     assert sampled == [[i, i] for i in range(4)]
+    # the lean decoder ran on the copies (its one-time check against transformers' bf16 forward held)
+    from comlrl.rollout import lean
+
+    assert all(lean._VERIFIED.get(c.module) is True for c in copies)
 
 
 def test_tied_weights_stay_tied_in_the_compute_copy(tokenizer, tmp_path):
