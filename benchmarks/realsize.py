@@ -131,7 +131,7 @@ def compare_precisions(key: str, model: str, threads: int, prompt_len: int, args
     optimizer steps. Floors: the rollout's as in the module docstring, on bfloat16 weights for
     bf16; forward + backward on bfloat16 weights; the optimizer's is a float32 AdamW step in both
     (mixed precision keeps float32 masters and AdamW state: a bfloat16 AdamW step is cheaper but
-    rounds away updates below bfloat16's resolution, see docs/performance.md), the bfloat16 one
+    rounds away updates below bfloat16's resolution, see docs/scaling.md), the bfloat16 one
     printed beside it."""
     setting = SETTINGS[key]
     tokens, buffer = setting["max_new_tokens"], setting["buffer"]
