@@ -232,3 +232,22 @@ def test_bf16_resume_equals_uninterrupted_bit_exact(make_trainer, tmp_path):
     assert all(c.refreshes >= 1 for c in resumed.backend.copies)
     assert_bit_exact(state_of(full), state_of(resumed))
     assert rows(tmp_path / "full") == rows(tmp_path / "part")
+
+
+def test_lora_agents_in_bf16_sample_under_autocast_without_copies(model_path, tokenizer, tmp_path):
+    """LoRA agents share one base: no copy of it per agent (they sample under autocast as before)."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    from comlrl import MAGRPOConfig, MAGRPOTrainer
+    from helpers import SEED_PROMPTS, TEST_SETTINGS, length_ratio_reward
+
+    trainer = MAGRPOTrainer(agent_model=str(model_path), num_agents=2, tokenizer=tokenizer,
+                            reward_func=length_ratio_reward, train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
+                            peft_config=LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                                   task_type="CAUSAL_LM"),
+                            args=MAGRPOConfig(**TEST_SETTINGS, num_train_epochs=1, max_new_tokens=6,
+                                              mixed_precision="bf16", output_dir=str(tmp_path / "out")))
+    assert trainer.backend.copies == [None, None]
+    trainer.train()
+    assert all(p.dtype == torch.float32 for a in trainer.agents for p in a.parameters())

@@ -22,8 +22,13 @@ __all__ = ["ComputeCopy", "wants_compute_copy"]
 
 def wants_compute_copy(model: torch.nn.Module, dtype: Optional[torch.dtype]) -> Optional[str]:
     """None if ``model`` gets a ``dtype`` compute copy for sampling; otherwise why not."""
+    from ..adapters import AdapterAgent
+
     if dtype is None:
         return "no compute dtype"
+    if isinstance(model, AdapterAgent) or getattr(model, "peft_config", None) \
+            or getattr(model, "_hf_peft_config_loaded", False):
+        return "adapters (LoRA agents sample with their shared base and adapters under autocast)"
     params = list(model.parameters())
     if not params or any(not p.is_floating_point() for p in params):
         return "parameters that are not floating point"
@@ -31,8 +36,6 @@ def wants_compute_copy(model: torch.nn.Module, dtype: Optional[torch.dtype]) -> 
         return f"already in {dtype}"
     if any(hasattr(p, "to_local") for p in params):
         return "sharded parameters (FSDP2's MixedPrecisionPolicy casts them)"
-    if getattr(model, "peft_config", None) or getattr(model, "_hf_peft_config_loaded", False):
-        return "adapters (LoRA agents sample with their base and adapters under autocast)"
     return None
 
 
