@@ -83,6 +83,17 @@ def floors(model_dir: str, threads: int, batch: int, prompt_len: int, new_tokens
                         position_ids=positions[:, prompt_len + step:prompt_len + step + 1], use_cache=True)
             cache = out.past_key_values
             timings["decode"].append(now() - start)
+    if model.dtype != torch.float32:  # also the step mixed precision takes: float32 AdamW on float32 masters
+        masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+        for p in masters:
+            p.grad = torch.randn_like(p) * 1e-3
+        master_optimizer = torch.optim.AdamW(masters, lr=1e-6, fused=True)
+        timings["optimizer_fp32"] = []
+        for _ in range(3):
+            start = now()
+            master_optimizer.step()
+            timings["optimizer_fp32"].append(now() - start)
+        del masters, master_optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     for _ in range(3):
         start = now()
@@ -137,22 +148,32 @@ def compare_precisions(key: str, model: str, threads: int, prompt_len: int, args
     tokens, buffer = setting["max_new_tokens"], setting["buffer"]
     common = runner_flags(key, model, threads, args.clock)
     print(f"\n({key}) {setting['label']}, max_new_tokens {tokens}; clock: {args.clock}")
-    ours = {"fp32": run([sys.executable, str(HERE / "throughput.py"), "--worker", *common], args.timeout),
-            "bf16": run([sys.executable, str(HERE / "throughput.py"), "--worker", *common, "--mixed-precision",
-                         args.mixed_precision], args.timeout)}
-    theirs = {}
-    if args.comlrl_python:
-        for name, dtype in (("fp32", "float32"), ("bf16", "bfloat16")):
-            theirs[name] = run([args.comlrl_python, str(HERE / "peers" / "comlrl143_seed.py"), *common, "--dtype",
-                                dtype], args.timeout)
-    floor = {"fp32": measure_floors(key, model, threads, prompt_len, "float32", args),
-             "bf16": measure_floors(key, model, threads, prompt_len, "bfloat16", args)}
+    ours: dict[str, dict] = {}
+    theirs: dict[str, dict] = {}
+    floor: dict[str, dict] = {}
+
+    def done(label: str, r: dict) -> None:  # each run as it ends (a long benchmark shows its progress)
+        print(f"  ... {label}: {r['seconds_per_epoch']:.1f} s/epoch, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+
+    # the bf16 runs first: the goals are theirs
+    ours["bf16"] = run([sys.executable, str(HERE / "throughput.py"), "--worker", *common, "--mixed-precision",
+                        args.mixed_precision], args.timeout)
+    done("ours, mixed_precision='bf16'", ours["bf16"])
+    peer_dtypes = {"bf16": "bfloat16", "fp32": "float32"}
+    for name in (args.peer_precisions.split(",") if args.comlrl_python else []):
+        theirs[name] = run([args.comlrl_python, str(HERE / "peers" / "comlrl143_seed.py"), *common, "--dtype",
+                            peer_dtypes[name]], args.timeout)
+        done(f"comlrl 1.4.3, {peer_dtypes[name]} models", theirs[name])
+    floor["bf16"] = measure_floors(key, model, threads, prompt_len, "bfloat16", args)
+    ours["fp32"] = run([sys.executable, str(HERE / "throughput.py"), "--worker", *common], args.timeout)
+    done("ours, float32", ours["fp32"])
+    floor["fp32"] = measure_floors(key, model, threads, prompt_len, "float32", args)
     steps = 2 * PROMPT_COUNT // buffer  # rollouts and optimizer steps per agent and epoch: one per buffer
 
     def floor_phases(name: str) -> dict[str, float]:
         f = floor[name]
         return {"rollout": steps * (f["prefill"] + tokens * f["decode"]), "fwd_bwd": steps * f["fwd_bwd"],
-                "optimizer": steps * floor["fp32"]["optimizer"]}
+                "optimizer": steps * f.get("optimizer_fp32", f["optimizer"])}
 
     for name in ("fp32", "bf16"):
         f = floor[name]
@@ -173,22 +194,27 @@ def compare_precisions(key: str, model: str, threads: int, prompt_len: int, args
         ratio = cells[1][2]
         mark = "met" if ratio <= BF16_GOALS["phase"] else "missed"
         print(f"  {phase:<10} " + "   ".join(f"{v:>8.1f} {b:>7.1f} {r:>5.2f}x" for v, b, r in cells) + f"  {mark}")
-    print(f"  (a bfloat16 AdamW step: {floor['bf16']['optimizer']:.2f} s, not the floor: it would not keep float32 "
-          "masters)")
+    print(f"  (optimizer floor: a float32 AdamW step, {floor['bf16']['optimizer_fp32']:.2f} s, measured beside the "
+          f"bf16 floors; a bfloat16 AdamW step takes {floor['bf16']['optimizer']:.2f} s but keeps no float32 masters)")
     print(f"\n  {'':<44} {'fp32':>9} {'bf16':>9} {'bf16 gain':>10}")
     rows = [("ours (bf16 = mixed_precision='bf16')", ours)]
     if theirs:
         rows.append(("comlrl 1.4.3 (bf16 = models in bfloat16)", theirs))
+
+    def cell(runs: dict, name: str, key: str) -> float:
+        return runs[name][key] if name in runs else float("nan")
+
     for label, runs in rows:
-        fp32, bf16 = runs["fp32"]["seconds_per_epoch"], runs["bf16"]["seconds_per_epoch"]
+        fp32, bf16 = cell(runs, "fp32", "seconds_per_epoch"), cell(runs, "bf16", "seconds_per_epoch")
         print(f"  {label:<44} {fp32:>8.1f}s {bf16:>8.1f}s {fp32 / bf16:>9.2f}x")
     for label, runs in rows:
-        print(f"  peak RSS {label:<35} {runs['fp32']['peak_rss_mb']:>7.0f}MB {runs['bf16']['peak_rss_mb']:>7.0f}MB")
+        print(f"  peak RSS {label:<35} {cell(runs, 'fp32', 'peak_rss_mb'):>7.0f}MB "
+              f"{cell(runs, 'bf16', 'peak_rss_mb'):>7.0f}MB")
     gain = ours["fp32"]["seconds_per_epoch"] / ours["bf16"]["seconds_per_epoch"]
     print(f"  goal: ours bf16 >= {BF16_GOALS['vs_ours_fp32']}x ours fp32: {gain:.2f}x "
           f"{'met' if gain >= BF16_GOALS['vs_ours_fp32'] else 'missed'}")
     if theirs:
-        for name in ("fp32", "bf16"):
+        for name in [n for n in ("fp32", "bf16") if n in theirs]:
             lead = theirs[name]["seconds_per_epoch"] / ours[name]["seconds_per_epoch"]
             goal = f" (goal >= {BF16_GOALS['vs_143_bf16']}x: " \
                 f"{'met' if lead >= BF16_GOALS['vs_143_bf16'] else 'missed'})" if name == "bf16" else ""
@@ -207,6 +233,8 @@ def main() -> None:
                         help="compare precisions instead: ours in float32 and with mixed_precision='bf16', 1.4.3 "
                              "with float32 and with bfloat16 models, each phase beside its floor in its dtype "
                              "(setting b unless --settings is given)")
+    parser.add_argument("--peer-precisions", default="bf16,fp32",
+                        help="--mixed-precision: which of 1.4.3's runs (bf16: bfloat16 models; fp32), default both")
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="what every timing reads: wall-clock time, or each process's CPU time (steadier when "
                              "other jobs load the machine; sums the threads)")
@@ -229,7 +257,9 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from throughput import model_dir
 
-    if args.vocab == "auto":
+    if args.model_dir:  # another model (a smoke run of the script on a tiny one)
+        model = args.model_dir
+    elif args.vocab == "auto":
         model = str(model_dir("d"))
     else:
         from comlrl.testing import qwen2_model_dir
