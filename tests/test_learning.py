@@ -27,7 +27,8 @@ def test_agents_learn_the_seed_task(make_trainer, tmp_path):
 
 def test_agents_learn_the_seed_task_in_bf16(make_trainer, tmp_path):
     # mixed_precision="bf16" (bf16 sampling copies and loss forwards, fp32 masters and AdamW), the
-    # same thresholds as in float32. Measured, last 4 epochs: see CHANGELOG (issue 32).
+    # same thresholds as in float32. Measured, last 4 epochs, seeds 0/1/2: default kernels 0.988 / 0.996 /
+    # 0.997, AVX2 0.996 / 0.997 / 0.996, AVX-512 0.989 / 0.979 / 0.991; first epoch 0.36-0.39.
     _learns_the_seed_task(make_trainer, tmp_path, "full agents, bf16", mixed_precision="bf16")
 
 
