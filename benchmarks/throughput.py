@@ -37,7 +37,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
 sys.path.insert(0, str(PEERS))
-from common import (DTYPES, PROMPTS, TRAINERS, emit, model_dtype, parser as runner_parser, peak_gpu_mb,  # noqa: E402
+from common import (DTYPES, PROMPTS, TRAINERS, clock, emit, model_dtype, parser as runner_parser, peak_gpu_mb,  # noqa: E402
                     peak_rss_mb, reward, setup)
 
 MODELS = {
@@ -68,8 +68,33 @@ def model_dir(key: str) -> Path:
 # ------------------------------------------------------------------------------------------------
 # the comlrl run (a subprocess of the driver, like the peers)
 # ------------------------------------------------------------------------------------------------
+def _time_optimizer_steps(optimizers, now) -> list[float]:
+    """Seconds inside the optimizers' ``step()`` calls, summed into the returned one-item list as
+    training runs (torch's public step hooks; the trainer is not changed)."""
+    total, started = [0.0], {}
+
+    def pre(opt, args, kwargs):
+        started[id(opt)] = now()
+
+    def post(opt, args, kwargs):
+        total[0] += now() - started.pop(id(opt))
+
+    for opt in optimizers:
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+    return total
+
+
 def run_ours(argv: list[str]) -> None:
-    args = runner_parser("the seed workload on this comlrl").parse_args(argv)
+    p = runner_parser("the seed workload on this comlrl")
+    p.add_argument("--mixed-precision", default=None, choices=["bf16"],
+                   help="the config's mixed_precision (float32 weights and AdamW, bfloat16 compute)")
+    args = p.parse_args(argv)
+    now = clock(args.clock)
+    if args.clock == "cpu":  # the trainer's phase timers read the same clock
+        from comlrl.engine.timing import PhaseTimer
+
+        PhaseTimer.clock = staticmethod(now)
     prompts = setup(args)
     os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -84,9 +109,10 @@ def run_ours(argv: list[str]) -> None:
                       max_new_tokens=args.max_new_tokens, agent_learning_rate=args.lr,
                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                       logging_steps=1, agent_devices=args.device, advantage_normalization=args.advantage_normalization,
-                      eval_interval=0, output_dir=str(ckpt))
-        dtype = model_dtype(args)
-        built_start = time.perf_counter()
+                      eval_interval=0, output_dir=str(ckpt), mixed_precision=args.mixed_precision)
+        # mixed precision keeps float32 masters (the weights AdamW updates), whatever --dtype says
+        dtype = model_dtype(argparse.Namespace(dtype="float32") if args.mixed_precision else args)
+        built_start = now()
         inputs = dict(agents=[AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype) for _ in range(2)],
                       tokenizer=AutoTokenizer.from_pretrained(args.model_dir), reward_func=reward,
                       train_dataset=[{"prompt": p} for p in prompts])
@@ -113,13 +139,14 @@ def run_ours(argv: list[str]) -> None:
         else:
             trainer = MAGRPOTrainer(args=MAGRPOConfig(**common, rollout_buffer_size=args.rollout_buffer_size,
                                                       train_batch_size=args.train_batch_size), **inputs)
-        built_s = time.perf_counter() - built_start
-        start = time.perf_counter()
+        built_s = now() - built_start
+        optimizer_s = _time_optimizer_steps(trainer.optimizers, now)
+        start = now()
         if args.checkpoint:
             trainer.train(checkpoint_dir=ckpt, checkpoint_interval=1)
         else:
             trainer.train()  # metrics.jsonl still goes to output_dir
-        elapsed = time.perf_counter() - start
+        elapsed = now() - start
         rows = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
         saved = sorted(p.name for p in ckpt.glob("checkpoint-*"))
     phases: dict[str, float] = {}
@@ -140,9 +167,12 @@ def run_ours(argv: list[str]) -> None:
         "env_steps": env_steps, "env_steps_per_s": env_steps / elapsed,
         "generated_tokens_per_s": tokens / elapsed,
         "phase_seconds_per_epoch": {key: value / args.epochs for key, value in sorted(phases.items())},
+        "optimizer_seconds_per_epoch": optimizer_s[0] / args.epochs,  # part of the update phase
         "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(), "checkpoint_dir_entries": saved,
         "construction_s": built_s,
-        "device": str(next(trainer.agents[0].parameters()).device), "dtype": args.dtype,
+        "device": str(next(trainer.agents[0].parameters()).device),
+        "dtype": "float32" if args.mixed_precision else args.dtype,
+        "mixed_precision": args.mixed_precision, "clock": args.clock,
     })
 
 
@@ -183,21 +213,26 @@ def describe(name: str, r: dict) -> list[str]:
     return lines
 
 
+MIXED_RUN = "comlrl (this tree), mixed bf16"  # --mixed-precision: our run with mixed_precision="bf16"
+
+
 def compare(runs: dict[str, dict]) -> None:
-    """Print each peer's time and memory relative to ours."""
-    ours = runs["comlrl (this tree)"]
-    if "error" in ours:
-        return
-    for name, r in runs.items():
-        if name.startswith("comlrl (this") or "error" in r:
+    """Print each peer's time and memory relative to ours (and to our mixed-precision run)."""
+    for mine in ("comlrl (this tree)", MIXED_RUN):
+        ours = runs.get(mine)
+        if ours is None or "error" in ours:
             continue
-        theirs = r["seconds_per_epoch"] * (2 if name.startswith("TRL") else 1)
-        note = " (2 x its 1-policy time)" if name.startswith("TRL") else ""
-        gpu = ""
-        if ours.get("peak_gpu_mb") and r.get("peak_gpu_mb"):
-            gpu = f"; peak GPU memory ours/theirs {ours['peak_gpu_mb'] / r['peak_gpu_mb']:.2f}"
-        print(f"  vs {name:<21} speedup {theirs / ours['seconds_per_epoch']:5.2f}x in s/epoch{note}; "
-              f"peak memory ours/theirs {ours['peak_rss_mb'] / r['peak_rss_mb']:.2f}{gpu}", flush=True)
+        suffix = "" if mine == "comlrl (this tree)" else " (ours: mixed_precision='bf16')"
+        for name, r in runs.items():
+            if name.startswith("comlrl (this") or "error" in r:
+                continue
+            theirs = r["seconds_per_epoch"] * (2 if name.startswith("TRL") else 1)
+            note = " (2 x its 1-policy time)" if name.startswith("TRL") else ""
+            gpu = ""
+            if ours.get("peak_gpu_mb") and r.get("peak_gpu_mb"):
+                gpu = f"; peak GPU memory ours/theirs {ours['peak_gpu_mb'] / r['peak_gpu_mb']:.2f}"
+            print(f"  vs {name:<21} speedup {theirs / ours['seconds_per_epoch']:5.2f}x in s/epoch{note}; "
+                  f"peak memory ours/theirs {ours['peak_rss_mb'] / r['peak_rss_mb']:.2f}{gpu}{suffix}", flush=True)
 
 
 def main() -> None:
@@ -223,6 +258,9 @@ def main() -> None:
     p.add_argument("--trl-python", default=None, help="python of a venv with trl==1.16.0 (peer)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds allowed per run")
     p.add_argument("--json", default=None, help="also write all results to this JSON file")
+    p.add_argument("--mixed-precision", default=None, choices=["bf16"],
+                   help="also run ours with mixed_precision='bf16' (float32 masters and AdamW, bf16 compute), "
+                        "compared with every peer as the plain run is")
     p.add_argument("--trainers", default="magrpo", help="comma-separated subset of magrpo,iac,maac (default "
                    "magrpo); TRL runs only with magrpo (it has no critic trainer)")
     args = p.parse_args()
@@ -232,6 +270,9 @@ def main() -> None:
         p.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
     epochs = 1 if args.quick else args.epochs
     runners = [("comlrl (this tree)", sys.executable, HERE / "throughput.py", ["--worker"])]
+    if args.mixed_precision:
+        runners.append((MIXED_RUN, sys.executable, HERE / "throughput.py",
+                        ["--worker", "--mixed-precision", args.mixed_precision]))
     if args.comlrl_python:
         runners.append(("comlrl 1.4.3", args.comlrl_python, PEERS / "comlrl143_seed.py", []))
     if args.trl_python:

@@ -44,6 +44,7 @@ GROUPS = [
     ("vllm", "vLLM rollout backend, the real vLLM on a tiny model", "test_vllm_"),
 ]
 PEER_NAMES = {"comlrl": "comlrl 1.4.3", "trl": "TRL GRPO (1 policy)"}
+MIXED_RUN = "comlrl (this tree), mixed bf16"  # benchmarks/throughput.py's name of its --mixed-precision run
 BENCH_TITLE = "throughput: the seed workload side by side with comlrl 1.4.3 and TRL"
 
 PROBE = r"""
@@ -190,9 +191,11 @@ def run_bench(python: str, args, workdir: Path, peers: dict[str, str | None]) ->
                     what="dry run: tiny model a (Qwen2 h64, 2 layers, vocab 512), float32 on the CPU, 1 epoch of 8 "
                          "new tokens, no checkpoints")
     else:
-        spec = dict(models="d", device="cuda", dtype="bfloat16", extra=["--epochs", str(args.bench_epochs)],
+        spec = dict(models="d", device="cuda", dtype="bfloat16",
+                    extra=["--epochs", str(args.bench_epochs), "--mixed-precision", "bf16"],
                     what=f"model d: Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14/2 heads), random init, weights "
-                         f"in bf16 on the GPU; {args.bench_epochs} timed epochs of the seed workload (2 agents, 4 "
+                         f"in bf16 on the GPU (and ours once more with mixed_precision='bf16': float32 masters, "
+                         f"bf16 compute); {args.bench_epochs} timed epochs of the seed workload (2 agents, 4 "
                          f"prompts x 4 completions of up to 64 tokens), no checkpoints")
     cmd = [python, "benchmarks/throughput.py", "--models", spec["models"], "--device", spec["device"],
            "--dtype", spec["dtype"], "--no-checkpoint", "--json", str(result_json), *spec["extra"]]
@@ -208,7 +211,8 @@ def run_bench(python: str, args, workdir: Path, peers: dict[str, str | None]) ->
     entry = next(iter(json.loads(result_json.read_text()).values()))
     section["model"] = entry["model"]
     runs = entry["runs"]
-    for key, name in [("ours", "comlrl (this tree)")] + [(k, v) for k, v in PEER_NAMES.items()]:
+    mixed = [("ours-mixed", MIXED_RUN)] if MIXED_RUN in runs else []
+    for key, name in [("ours", "comlrl (this tree)")] + mixed + [(k, v) for k, v in PEER_NAMES.items()]:
         r = runs.get(name)
         if r is None:
             reason = "dry run installs no peers (pass --comlrl-python / --trl-python to use existing venvs)" \
@@ -226,6 +230,9 @@ def run_bench(python: str, args, workdir: Path, peers: dict[str, str | None]) ->
             continue
         factor = 2 if name.startswith("TRL") else 1  # TRL trains one policy: two agents are twice its work
         section["speedups"][name] = factor * r["seconds_per_epoch"] / ours["seconds_per_epoch"]
+        mine = section["runs"].get(MIXED_RUN, {})
+        if mine.get("status") == "passed":  # the lead of our mixed precision over each peer's bf16
+            section.setdefault("speedups_mixed", {})[name] = factor * r["seconds_per_epoch"] / mine["seconds_per_epoch"]
     statuses = {r["status"] for r in section["runs"].values()}
     section["status"] = "failed" if "failed" in statuses else "passed" if statuses == {"passed"} else \
         "passed (some skipped)"
@@ -302,6 +309,8 @@ def render_bench(section: dict) -> list[str]:
         lines.append(f"    {name:<22} {r['seconds_per_epoch']:8.3f} {r['env_steps_per_s']:11.1f} "
                      f"{fmt(r.get('generated_tokens_per_s'), '9.0f')} {fmt(r.get('peak_gpu_mb'), '11.0f')} "
                      f"{fmt(r.get('peak_rss_mb'), '11.0f')}  {note}")
+    for name, speedup in section.get("speedups_mixed", {}).items():
+        lines.append(f"    ours with mixed_precision='bf16' vs {name}: {speedup:5.2f}x")
     ours = section["runs"].get("comlrl (this tree)", {})
     if ours.get("phase_seconds_per_epoch"):
         lines.append("    ours per phase (s/epoch): " + ", ".join(

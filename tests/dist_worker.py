@@ -41,6 +41,7 @@ parser.add_argument("--devices", default="cpu", help="agent_devices; 'auto': und
 parser.add_argument("--sharding", default="none", choices=["none", "fsdp2"])
 parser.add_argument("--ppo", action="store_true", help="clipped-ratio update, 2 passes over 2-step buffers")
 parser.add_argument("--kl", type=float, default=None, help="reference KL coefficient (MAGRPO)")
+parser.add_argument("--mixed-precision", default=None, choices=["bf16"])
 opts = parser.parse_args()
 
 prompts = SEED_PROMPTS + (["Name a color:"] if opts.extra_prompt else [])
@@ -64,7 +65,8 @@ settings = {**TEST_SETTINGS, "num_train_epochs": opts.epochs, "max_new_tokens": 
             "rollout_buffer_size": opts.train_batch_size,
             "micro_batch_size": opts.train_batch_size // opts.micro_batches if opts.micro_batches > 1 else None,
             "num_turns": opts.num_turns, "early_termination_threshold": 0.5 if multi_turn else None,
-            "loss_type": opts.loss_type, "eval_interval": 1 if opts.eval else 0, "sharding": opts.sharding}
+            "loss_type": opts.loss_type, "eval_interval": 1 if opts.eval else 0, "sharding": opts.sharding,
+            "mixed_precision": opts.mixed_precision}
 if opts.ppo:
     settings.update(ppo_clip_eps=0.2, num_update_epochs=2, rollout_buffer_size=2 * opts.train_batch_size)
 if opts.kl is not None:
@@ -106,6 +108,15 @@ else:
 from helpers import record_gradients  # noqa: E402
 
 recorded = record_gradients(trainer)  # what each optimizer step applies (summed over processes)
+# --mixed-precision: the dtype each agent's first projection has inside its forwards (FSDP2 swaps in
+# the gathered parameters, cast by its MixedPrecisionPolicy, for the forward). Only then: a hook
+# keeps the rollout off the lean decoder.
+forward_dtypes: dict[str, set] = {}
+for a, agent in enumerate(trainer.agents if opts.mixed_precision else []):
+    if hasattr(agent, "model") and hasattr(agent.model, "layers"):
+        projection = agent.model.layers[0].self_attn.q_proj
+        projection.register_forward_pre_hook(
+            lambda m, args, a=a: forward_dtypes.setdefault(str(a), set()).add(str(m.weight.dtype)))
 trainer.train(resume_from_checkpoint=opts.resume, checkpoint_dir=opts.run_dir / "ckpt")
 first_step = trainer.state.global_step - len(recorded) + 1
 trainer.save_model(opts.run_dir / "saved")
@@ -132,7 +143,9 @@ rank = trainer.dist.rank
 save_file(tensors, str(opts.run_dir / f"final-rank{rank}.safetensors"))
 save_file({f"{first_step + i}/{k}": v.contiguous() for i, step in enumerate(recorded) for k, v in step.items()},
           str(opts.run_dir / f"grads-rank{rank}.safetensors"))
-record = {"world_size": trainer.dist.world_size, "env_step": trainer.state.env_step}
+record = {"world_size": trainer.dist.world_size, "env_step": trainer.state.env_step,
+          "forward_dtypes": {a: sorted(d) for a, d in forward_dtypes.items()},
+          "master_dtypes": sorted({str(p.dtype) for m in trainer.agents for p in m.parameters()})}
 if trainer.sharded:  # what this process holds of each agent and its AdamW moments
     from comlrl.engine.sharding import local_fraction
 

@@ -374,3 +374,17 @@ def test_a_comlrl_143_actor_critic_checkpoint_is_refused_not_half_loaded(make_ac
     with pytest.raises(CheckpointError, match="1.4.3 IACTrainer run .* is not supported"):
         trainer.train(resume_from_checkpoint=legacy)
     assert_bit_exact(before, state_of(trainer))
+
+
+@pytest.mark.parametrize("kind", ["iac-shared", "maac"])
+def test_bf16_actor_critic_samples_on_copies_of_its_policies(make_ac, kind):
+    """mixed_precision="bf16" for the actor-critic families: each policy (also one that carries the
+    critic's value head) samples on a bf16 copy that follows its float32 weights."""
+    trainer = make_ac(kind, num_train_epochs=1, mixed_precision="bf16")
+    trainer.train()
+    for policy, copy in zip(trainer._policies(), trainer.backend.copies):
+        assert copy is not None and copy.refreshes >= 1
+        assert all(p.dtype == torch.float32 for p in policy.parameters())
+        copy.refresh()
+        assert all(torch.equal(c, p.detach().to(torch.bfloat16))
+                   for c, p in zip(copy.module.parameters(), policy.parameters()))

@@ -148,3 +148,18 @@ def test_qwen2_model_dir_builds_the_shape_it_is_given(tmp_path):
     assert model.config.vocab_size == len(tokenizer) == 512 and model.config.eos_token_id == tokenizer.eos_token_id
     with pytest.raises(ValueError, match="vocab"):
         qwen2_model_dir(shape, vocab="gpt2", cache_dir=tmp_path)
+
+
+def test_gpu_report_shows_the_mixed_precision_run_and_its_lead():
+    """The throughput section with our mixed_precision='bf16' run (issue 32): its row, and its lead
+    over each peer's bf16 run, computed as run_bench does."""
+    runner = load_runner()
+    run = {"status": "passed", "seconds_per_epoch": 2.0, "env_steps_per_s": 32.0, "generated_tokens_per_s": 900.0,
+           "peak_rss_mb": 3000.0, "peak_gpu_mb": 8000.0}
+    section = {"key": "throughput", "title": "throughput", "status": "passed", "what": "model d",
+               "runs": {"comlrl (this tree)": run, runner.MIXED_RUN: {**run, "seconds_per_epoch": 2.5},
+                        "comlrl 1.4.3": {**run, "seconds_per_epoch": 6.0}},
+               "speedups": {"comlrl 1.4.3": 3.0}, "speedups_mixed": {"comlrl 1.4.3": 2.4}}
+    text = "\n".join(runner.render_bench(section))
+    assert "comlrl (this tree), mixed bf16    2.500" in text
+    assert "ours with mixed_precision='bf16' vs comlrl 1.4.3:  2.40x" in text

@@ -89,3 +89,165 @@ def test_fused_head_recompute_under_autocast_equals_saved_logits(monkeypatch):
         assert float(weight.grad.sum(dim=0).abs().max()) < 0.05
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+# ------------------------------------------------------------------------------------------------
+# bf16 compute copies, fp32 masters (issue 32)
+# ------------------------------------------------------------------------------------------------
+def _copies(trainer):
+    return trainer.backend.copies
+
+
+def test_sampling_runs_on_bf16_copies_refreshed_after_each_optimizer_step(make_trainer, tmp_path):
+    trainer = make_trainer(num_train_epochs=1, mixed_precision="bf16", output_dir=str(tmp_path / "out"))
+    copies = _copies(trainer)
+    assert all(c is not None for c in copies)
+    for agent, c in zip(trainer.agents, copies):
+        assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in c.module.parameters())
+        assert all(p.dtype == torch.float32 for p in agent.parameters())  # the masters
+        assert not any(c.module is agent or q is p for q, p in zip(c.module.parameters(), agent.parameters()))
+    sampled = []
+    original = trainer.backend.sampling_models
+
+    def spy():
+        models = original()
+        # what sampling sees: the copies, equal to the masters cast now (none stale)
+        for agent, model in zip(trainer.agents, models):
+            assert all(torch.equal(q, p.detach().to(torch.bfloat16))
+                       for q, p in zip(model.parameters(), agent.parameters()))
+        sampled.append([c.refreshes for c in copies])
+        return models
+
+    trainer.backend.sampling_models = spy
+    trainer.train()
+    steps = trainer.state.global_step
+    assert steps == 4 and len(sampled) == 4
+    # refreshed once per optimizer step, before the rollout that follows it (none before the first)
+    assert sampled == [[i, i] for i in range(4)]
+    # the lean decoder ran on the copies (its one-time check against transformers' bf16 forward held)
+    from comlrl.rollout import lean
+
+    assert all(lean._VERIFIED.get(c.module) is True for c in copies)
+
+
+def test_tied_weights_stay_tied_in_the_compute_copy(tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from comlrl.rollout.compute import ComputeCopy
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = AutoModelForCausalLM.from_config(config)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    copy = ComputeCopy(model, torch.bfloat16)
+    assert copy.module.lm_head.weight is copy.module.model.embed_tokens.weight
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    copy.refresh()
+    assert torch.equal(copy.module.model.embed_tokens.weight, model.model.embed_tokens.weight.to(torch.bfloat16))
+
+
+def test_the_frozen_reference_is_kept_in_bf16(make_trainer, tmp_path):
+    trainer = make_trainer(num_train_epochs=1, mixed_precision="bf16", reference_kl_enabled=True,
+                           reference_kl_coef=0.05, output_dir=str(tmp_path / "out"))
+    for reference, agent in zip(trainer.reference_models, trainer.agents):
+        assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in reference.parameters())
+        assert all(torch.equal(r, p.detach().to(torch.bfloat16))
+                   for r, p in zip(reference.parameters(), agent.parameters()))
+    trainer.train()
+    rows = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    kls = [r["agent_0/reference_kl"] for r in rows]
+    assert all(math.isfinite(k) for k in kls) and any(k != 0 for k in kls)
+
+
+def _movement(trainer) -> tuple[float, float]:
+    """Train; returns the share of the agents' weight elements that changed and the L1 norm of the change."""
+    before = [[p.detach().float().clone() for p in a.parameters()] for a in trainer.agents]
+    trainer.train()
+    moved = total = 0
+    distance = 0.0
+    for agent, old in zip(trainer.agents, before):
+        for p, q in zip(agent.parameters(), old):
+            change = p.detach().float() - q
+            moved += int((change != 0).sum())
+            distance += float(change.abs().sum())
+            total += q.numel()
+    return moved / total, distance
+
+
+def test_pure_bf16_adamw_at_5e6_stalls_where_fp32_masters_move(model_path, tokenizer, tmp_path):
+    """1.4.3's bf16 (models loaded in bfloat16, AdamW on bf16 weights): an update of ~lr = 5e-6 per
+    element is far below bf16's resolution at these weights' size (~|w| / 256) and rounds away.
+    mixed_precision="bf16" keeps float32 masters, which take it. Measured (8 optimizer steps, no
+    clipping): pure bf16 moves 7.8% of the elements (those near zero, where bf16 is finer than the
+    update) and 0.082x the L1 distance ours moves; ours moves every element."""
+    from transformers import AutoModelForCausalLM
+
+    from comlrl import MAGRPOConfig, MAGRPOTrainer
+    from helpers import SEED_PROMPTS, TEST_SETTINGS, length_ratio_reward
+
+    def trainer(dtype, mixed, name):
+        return MAGRPOTrainer(
+            agents=[AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype) for _ in range(2)],
+            tokenizer=tokenizer, reward_func=length_ratio_reward,
+            train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
+            args=MAGRPOConfig(**{**TEST_SETTINGS, "max_grad_norm": None}, num_train_epochs=2, max_new_tokens=12,
+                              agent_learning_rate=5e-6, mixed_precision=mixed, output_dir=str(tmp_path / name)))
+
+    pure, pure_distance = _movement(trainer(torch.bfloat16, None, "pure"))
+    ours, our_distance = _movement(trainer(torch.float32, "bf16", "ours"))
+    print(f"\nat lr 5e-6, share of weight elements moved: pure bf16 {pure:.4f}, fp32 masters {ours:.4f}; L1 "
+          f"distance moved {pure_distance:.4g} vs {our_distance:.4g} ({pure_distance / our_distance:.3f}x)")
+    assert pure < 0.2 and ours > 0.9
+    assert pure_distance < 0.2 * our_distance
+
+
+def test_bf16_checkpoints_keep_fp32_masters_and_adamw_state(make_trainer, tmp_path):
+    from safetensors import safe_open
+
+    trainer = make_trainer(num_train_epochs=1, mixed_precision="bf16", output_dir=str(tmp_path / "out"))
+    trainer.train(checkpoint_dir=tmp_path / "ckpt")
+    for i, agent in enumerate(trainer.agents):
+        folder = tmp_path / "ckpt" / "checkpoint-1" / f"agent-{i}"
+        with safe_open(str(folder / "model.safetensors"), "pt") as f:
+            saved = {k: f.get_tensor(k) for k in f.keys()}
+        assert saved and all(t.dtype == torch.float32 for t in saved.values())
+        named = dict(agent.named_parameters())
+        assert all(torch.equal(saved[k], named[k].detach()) for k in saved if k in named)
+        with safe_open(str(folder / "optimizer.safetensors"), "pt") as f:
+            moments = [f.get_tensor(k) for k in f.keys() if "exp_avg" in k]
+        assert moments and all(t.dtype == torch.float32 for t in moments)
+
+
+def test_bf16_resume_equals_uninterrupted_bit_exact(make_trainer, tmp_path):
+    from helpers import assert_bit_exact, rows, state_of
+
+    full = make_trainer(num_train_epochs=4, mixed_precision="bf16")
+    full.train(checkpoint_dir=tmp_path / "full")
+    part = make_trainer(num_train_epochs=2, mixed_precision="bf16")
+    part.train(checkpoint_dir=tmp_path / "part")
+    resumed = make_trainer(num_train_epochs=4, mixed_precision="bf16")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-2"), checkpoint_dir=tmp_path / "part")
+    # the resumed run's copies were refreshed from the loaded masters before its first rollout
+    assert all(c.refreshes >= 1 for c in resumed.backend.copies)
+    assert_bit_exact(state_of(full), state_of(resumed))
+    assert rows(tmp_path / "full") == rows(tmp_path / "part")
+
+
+def test_lora_agents_in_bf16_sample_under_autocast_without_copies(model_path, tokenizer, tmp_path):
+    """LoRA agents share one base: no copy of it per agent (they sample under autocast as before)."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    from comlrl import MAGRPOConfig, MAGRPOTrainer
+    from helpers import SEED_PROMPTS, TEST_SETTINGS, length_ratio_reward
+
+    trainer = MAGRPOTrainer(agent_model=str(model_path), num_agents=2, tokenizer=tokenizer,
+                            reward_func=length_ratio_reward, train_dataset=[{"prompt": p} for p in SEED_PROMPTS],
+                            peft_config=LoraConfig(r=2, lora_alpha=4, target_modules="all-linear",
+                                                   task_type="CAUSAL_LM"),
+                            args=MAGRPOConfig(**TEST_SETTINGS, num_train_epochs=1, max_new_tokens=6,
+                                              mixed_precision="bf16", output_dir=str(tmp_path / "out")))
+    assert trainer.backend.copies == [None, None]
+    trainer.train()
+    assert all(p.dtype == torch.float32 for a in trainer.agents for p in a.parameters())

@@ -124,3 +124,21 @@ def test_where_sharding_cannot_run_it_is_refused_before_models_load(model_path, 
     with pytest.raises(ConfigError, match="sharding_group_size applies"):
         MAGRPOConfig(sharding_group_size=2)
     assert os.environ.get("WORLD_SIZE") is None
+
+
+def test_sharded_bf16_uses_fsdp2_mixed_precision_policy(tmp_path):
+    """mixed_precision="bf16" with sharding="fsdp2": FSDP2's MixedPrecisionPolicy gathers each
+    layer's parameters in bfloat16 for its forwards (seen inside them), while the sharded
+    masters and AdamW stay float32; training takes finite steps."""
+    from comlrl.engine.sharding import mixed_precision_policy
+
+    policy = mixed_precision_policy(torch.bfloat16)
+    assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert mixed_precision_policy(None) is None
+    run(tmp_path, "--epochs", "1", "--mixed-precision", "bf16", *SHARDED, procs=2)
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["forward_dtypes"] == {"0": ["torch.bfloat16"], "1": ["torch.bfloat16"]}, record
+        assert record["master_dtypes"] == ["torch.float32"]
+    assert all(torch.isfinite(v).all() for v in final(tmp_path).values())
+    assert [r["global_step"] for r in rows(tmp_path)] == [1]

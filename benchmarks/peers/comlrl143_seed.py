@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import emit, model_dtype, parser, peak_gpu_mb, peak_rss_mb, reward, setup  # noqa: E402
+from common import clock, emit, model_dtype, parser, peak_gpu_mb, peak_rss_mb, reward, setup  # noqa: E402
 
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
+    now = clock(args.clock)
     prompts = setup(args)
     import torch
     from datasets import Dataset
@@ -36,7 +37,7 @@ def main() -> None:
                   num_generations=args.num_generations, max_new_tokens=args.max_new_tokens,
                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, num_turns=1, eval_interval=0,
                   advantage_normalization=args.advantage_normalization, logging_steps=1)
-    built_start = time.perf_counter()
+    built_start = now()
     agents = [AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=model_dtype(args)) for _ in range(2)]
     dataset = Dataset.from_dict({"prompt": prompts})
     if args.trainer in ("madpo", "marlhf"):
@@ -78,14 +79,14 @@ def main() -> None:
             trainer = MAACTrainer(agents=agents, critic_model=args.model_dir, tokenizer=tokenizer,
                                   reward_func=reward, args=MAACConfig(**common, **sizes), train_dataset=dataset)
     assert all(p.device.type == args.device.split(":")[0] for m in trainer.agents for p in m.parameters())
-    built_s = time.perf_counter() - built_start
+    built_s = now() - built_start
     with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
+        start = now()
         if args.checkpoint:
             trainer.train(checkpoint_dir=os.path.join(tmp, "ckpt"), checkpoint_interval=1)
         else:
             trainer.train()
-        elapsed = time.perf_counter() - start
+        elapsed = now() - start
         saved = sorted(p.name for p in Path(tmp, "ckpt").glob("*")) if args.checkpoint else []
     emit({
         "framework": f"comlrl {getattr(comlrl, '__version__', '1.4.3')}",
@@ -94,7 +95,7 @@ def main() -> None:
         "env_steps": trainer.env_step, "env_steps_per_s": trainer.env_step / elapsed,
         "generated_tokens_per_s": None,  # not exposed by its API
         "peak_rss_mb": peak_rss_mb(), "peak_gpu_mb": peak_gpu_mb(), "checkpoint_dir_entries": saved,
-        "device": args.device, "dtype": args.dtype, "construction_s": built_s,
+        "device": args.device, "dtype": args.dtype, "construction_s": built_s, "clock": args.clock,
     })
 
 

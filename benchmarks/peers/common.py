@@ -54,7 +54,20 @@ def parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--train-batch-size", type=int, default=None, help="MAGRPO: prompts per optimizer step "
                                                                        "(default: the buffer)")
     p.add_argument("--advantage-normalization", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--clock", default="wall", choices=CLOCKS,
+                   help="what the timings read: wall-clock time (default) or this process's CPU time (every "
+                        "thread's; steadier on a machine other jobs load)")
     return p
+
+
+CLOCKS = ("wall", "cpu")
+
+
+def clock(name: str):
+    """The timer of ``--clock``: ``time.perf_counter`` (wall) or ``time.process_time`` (cpu)."""
+    import time
+
+    return time.process_time if name == "cpu" else time.perf_counter
 
 
 DTYPES = ("float32", "bfloat16")

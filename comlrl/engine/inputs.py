@@ -268,10 +268,14 @@ def _place(models: list[torch.nn.Module], devices: list[torch.device]) -> None:
         model.to(device)
 
 
-def frozen_copies(models: Sequence[torch.nn.Module], devices: Sequence[torch.device]) -> list[Optional[torch.nn.Module]]:
-    """Each model's initial policy, frozen, for a KL penalty: a deep copy on its device, or None
-    for a LoRA agent (its base with adapters disabled is its initial policy: no copy)."""
+def frozen_copies(models: Sequence[torch.nn.Module], devices: Sequence[torch.device],
+                  dtype: Optional[torch.dtype] = None) -> list[Optional[torch.nn.Module]]:
+    """Each model's initial policy, frozen, for a KL penalty: a deep copy on its device (its
+    parameters cast to ``dtype`` when given: mixed precision keeps the reference in the compute
+    dtype, as it never trains), or None for a LoRA agent (its base with adapters disabled is its
+    initial policy: no copy)."""
     from ..adapters import AdapterAgent, starts_at_base
+    from ..rollout.compute import ComputeCopy, wants_compute_copy
 
     out: list[Optional[torch.nn.Module]] = []
     for model, device in zip(models, devices):
@@ -282,7 +286,8 @@ def frozen_copies(models: Sequence[torch.nn.Module], devices: Sequence[torch.dev
                                   "B matrices are not zero). Use peft's default init, or reference_kl_enabled=False.")
             out.append(None)
             continue
-        out.append(copy.deepcopy(model).to(device).eval().requires_grad_(False))
+        frozen = ComputeCopy(model, dtype).module if wants_compute_copy(model, dtype) is None else copy.deepcopy(model)
+        out.append(frozen.to(device).eval().requires_grad_(False))
     return out
 
 

@@ -161,8 +161,12 @@ class TrainerConfig(Config):
                                       "'skip' (drop the update whose gradient is not finite: one agent's, counted in "
                                       "agent_i/skipped_steps; train/skipped_steps counts steps that updated nothing).",
                              check_choice("raise", "skip"))
-    mixed_precision: Optional[str] = setting(None, "'bf16': rollout and loss forwards under torch.autocast(bfloat16) "
-                                                   "(weights and AdamW keep their dtype); None = the model's dtype.",
+    mixed_precision: Optional[str] = setting(None, "'bf16': weights and AdamW stay float32 (the masters); sampling "
+                                                   "runs on bfloat16 copies refreshed after each optimizer step, the "
+                                                   "frozen reference is kept in bfloat16, loss forwards run under "
+                                                   "torch.autocast(bfloat16); sharded agents use FSDP2's "
+                                                   "MixedPrecisionPolicy(param_dtype=bfloat16). None = the model's "
+                                                   "dtype.",
                                              optional(check_choice(*MIXED_PRECISIONS)))
     rollout_backend: str = setting("auto", "'auto': the lean decoder for Qwen2/Llama/Mistral, model.generate for "
                                            "models with a custom generate(), else our transformers loop; 'hf': "

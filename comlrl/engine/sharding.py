@@ -30,7 +30,7 @@ import torch
 from ..exceptions import ConfigError
 from . import distributed as dist
 
-__all__ = ["fsdp_units", "device_mesh", "shard_model", "gathered", "local_fraction"]
+__all__ = ["fsdp_units", "device_mesh", "shard_model", "mixed_precision_policy", "gathered", "local_fraction"]
 
 
 def fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -64,13 +64,27 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def shard_model(model: torch.nn.Module, mesh) -> None:
-    """Shard ``model`` in place: one FSDP unit per repeated block, the model itself the root unit."""
+def mixed_precision_policy(param_dtype: Optional[torch.dtype]):
+    """FSDP2's policy for ``param_dtype`` (None: none): each unit's parameters gathered in that dtype
+    for its forward and backward (one cast of the float32 shards per gather), gradients reduced in
+    float32 into the float32 shards that AdamW updates."""
+    if param_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+
+
+def shard_model(model: torch.nn.Module, mesh, param_dtype: Optional[torch.dtype] = None) -> None:
+    """Shard ``model`` in place: one FSDP unit per repeated block, the model itself the root unit;
+    ``param_dtype`` (``mixed_precision="bf16"``): computed in that dtype (:func:`mixed_precision_policy`)."""
     from torch.distributed.fsdp import fully_shard
 
+    policy = mixed_precision_policy(param_dtype)
+    options = {} if policy is None else {"mp_policy": policy}
     for layer in _layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
 
 
 @contextlib.contextmanager

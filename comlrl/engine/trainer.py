@@ -145,7 +145,8 @@ class Trainer(Evaluation, Persistence):
         self.optimizers, self.schedulers = self._optimizers(self.agents)
         backend = "hf" if self.sharded and self.args.rollout_backend == "auto" else self.args.rollout_backend
         self.backend = make_backend(backend, self._policies(), self.tokenizers, seed=self.args.seed,
-                                    world_size=self.dist.world_size, vllm_options=self._vllm_options())
+                                    world_size=self.dist.world_size, vllm_options=self._vllm_options(),
+                                    compute_dtype=self.compute_dtype)
         self.state = TrainState()
         self.run_id = dist.gather_objects(uuid.uuid4().hex, self.dist)[0]  # rank 0's, on every rank
         self.checkpoints = CheckpointManager(is_main=self.dist.is_main)
@@ -230,7 +231,7 @@ class Trainer(Evaluation, Persistence):
         device = self.agent_devices[0].type
         mesh = device_mesh(self.dist, device, self.args.sharding_group_size)
         for model in distinct_modules(list(self.agents) + [r for r in self.reference_models if r is not None]):
-            shard_model(model, mesh)
+            shard_model(model, mesh, torch.bfloat16 if self.args.mixed_precision == "bf16" else None)
 
     def trained_slots_before_optimizers(self) -> dict[str, torch.nn.Module]:
         """The trained modules by slot, before the optimizers exist (see :meth:`trained_slots`)."""
@@ -325,7 +326,7 @@ class Trainer(Evaluation, Persistence):
             for d in DeviceScheduler.resolve_devices(self.args.reference_devices, len(self.agents),
                                                      kind="reference_devices")]
         self._reference_devices = list(devices)
-        return [r for r in frozen_copies(self._policies(), devices)]
+        return [r for r in frozen_copies(self._policies(), devices, self.compute_dtype)]
 
     def _set_seed(self) -> None:
         from ..checkpoint.rng import set_seed
@@ -355,6 +356,12 @@ class Trainer(Evaluation, Persistence):
     def _vllm_options(self) -> dict[str, Any]:
         return {"gpu_memory_utilization": self.args.vllm_gpu_memory_utilization,
                 "mixed_precision": self.args.mixed_precision, "engine_kwargs": self.args.vllm_engine_kwargs}
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        """The dtype sampling and the frozen reference compute in with ``mixed_precision="bf16"``
+        (bfloat16; sharded agents are cast by FSDP2's MixedPrecisionPolicy instead), else None."""
+        return torch.bfloat16 if self.args.mixed_precision == "bf16" and not self.sharded else None
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """``torch.autocast(bfloat16)`` on every device type the agents use, with

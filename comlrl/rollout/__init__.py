@@ -39,8 +39,11 @@ class RolloutBackend(Protocol):
 
 
 def make_backend(name: str, models: Sequence[torch.nn.Module], tokenizers: Sequence[Any], *, seed: int = 0,
-                 world_size: int = 1, vllm_options: Optional[dict[str, Any]] = None) -> RolloutBackend:
-    """The backend ``rollout_backend=name`` selects (``auto``, ``hf``, ``generate`` or ``vllm``)."""
+                 world_size: int = 1, vllm_options: Optional[dict[str, Any]] = None,
+                 compute_dtype: Optional[torch.dtype] = None) -> RolloutBackend:
+    """The backend ``rollout_backend=name`` selects (``auto``, ``hf``, ``generate`` or ``vllm``);
+    ``compute_dtype`` (mixed precision): the in-process backend samples with copies of the weights
+    in that dtype (:mod:`comlrl.rollout.compute`; vLLM engines take the dtype from ``vllm_options``)."""
     if name == "vllm":
         from ..adapters import AdapterAgent
         from ..exceptions import ConfigError
@@ -55,4 +58,4 @@ def make_backend(name: str, models: Sequence[torch.nn.Module], tokenizers: Seque
         return VLLMRollout(models, tokenizers, seed=seed, **(vllm_options or {}))
     from .transformers_loop import TransformersRollout
 
-    return TransformersRollout(models, tokenizers, name)
+    return TransformersRollout(models, tokenizers, name, compute_dtype=compute_dtype)

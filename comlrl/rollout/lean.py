@@ -160,6 +160,10 @@ class _CachedDecoder:
                                      torch.ones(self.kv_heads, 1, device=device)])  # [heads + kv, 1]
         self.cos, self.sin = cos[:, :, None, :], sin[:, :, None, :]  # float32 [rows, T, 1, hd]
         self.rotary_dtype = dtype
+        # The attention's small batched products in float32 for bf16 / fp16 models on the CPU: there
+        # torch runs them about 10x slower in bfloat16 than in float32 (2.3 against 0.21 ms for one
+        # layer's scores at 8 rows, 7 query heads per kv head, 60 positions); a GPU keeps the dtype.
+        self.attend_fp32 = dtype != torch.float32 and device.type == "cpu"
         self.rotary_steps = None
         if 2 * cos.numel() * (self.heads + self.kv_heads) * cos.element_size() <= ROTARY_TABLES_BYTES:
             self.rotary_steps = [self._expand_rotary(t) for t in range(max_new_tokens)]  # all steps at once
@@ -186,11 +190,14 @@ class _CachedDecoder:
         self.keys[layer].select(2, slot).copy_(qk[:, heads:])
         self.values[layer].select(2, slot).copy_(qkv[:, width:].view(rows, kv, hd))
         # Grouped heads share their kv head; the query is already scaled.
-        scores = torch.matmul(qk[:, :heads].reshape(rows, kv, heads // kv, hd),
-                              self.keys[layer][:, :, :slot + 1].transpose(-1, -2))
-        probs = torch.softmax(scores.float() + self.bias[..., :slot + 1], dim=-1).to(qkv.dtype)
-        out = torch.matmul(probs, self.values[layer][:, :, :slot + 1])  # [rows, kv, groups, hd]
-        return out.reshape(rows, heads * hd)
+        query, keys, values = (qk[:, :heads].reshape(rows, kv, heads // kv, hd), self.keys[layer][:, :, :slot + 1],
+                               self.values[layer][:, :, :slot + 1])
+        if self.attend_fp32:
+            query, keys, values = query.float(), keys.float(), values.float()
+        scores = torch.matmul(query, keys.transpose(-1, -2))
+        probs = torch.softmax(scores.float() + self.bias[..., :slot + 1], dim=-1).to(query.dtype)
+        out = torch.matmul(probs, values)  # [rows, kv, groups, hd]
+        return out.reshape(rows, heads * hd).to(qkv.dtype)
 
     def _advance(self) -> None:
         self.length += 1

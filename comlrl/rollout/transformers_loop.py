@@ -252,13 +252,30 @@ class TransformersRollout:
             at every step) or ``"generate"``.
     """
 
-    def __init__(self, models: Sequence[torch.nn.Module], tokenizers: Sequence[Any], backend: str = "auto"):
+    def __init__(self, models: Sequence[torch.nn.Module], tokenizers: Sequence[Any], backend: str = "auto",
+                 compute_dtype: Optional[torch.dtype] = None):
+        from .compute import ComputeCopy, wants_compute_copy
         from .generate_backend import has_custom_generate
 
         self.models, self.tokenizers = list(models), list(tokenizers)
         self.decoder = "auto" if backend == "generate" else backend
         self.via_generate = [backend == "generate" or (backend == "auto" and has_custom_generate(m))
                              for m in self.models]
+        # compute_dtype (mixed precision): agents sampling through our loop sample with a copy of
+        # their weights in that dtype, refreshed when marked stale (rollout/compute.py).
+        self.copies: list[Optional[ComputeCopy]] = [
+            ComputeCopy(m, compute_dtype) if not g and wants_compute_copy(m, compute_dtype) is None else None
+            for m, g in zip(self.models, self.via_generate)]
+        self.stale: set[int] = set()
+
+    def sampling_models(self) -> list[torch.nn.Module]:
+        """What each agent samples with: its compute copy (refreshed if stale), else the model itself."""
+        for a in sorted(self.stale):
+            copy = self.copies[a]
+            if copy is not None:
+                copy.refresh()
+        self.stale.clear()
+        return [c.module if c is not None else m for c, m in zip(self.copies, self.models)]
 
     def sample(self, prompts: Sequence[Sequence[str]], seeds: Sequence[Sequence[Sequence[int]]],
                params: SamplingParams, eos_token_ids: Sequence[Sequence[int]],
@@ -268,11 +285,16 @@ class TransformersRollout:
         loop = [a for a, g in enumerate(self.via_generate) if not g]
         out: list[Optional[Rollout]] = [None] * len(self.models)
         if loop:
+            models = self.sampling_models()
             pick = lambda values: [values[a] for a in loop]  # noqa: E731
-            for a, ro in zip(loop, rollout_agents(pick(self.models), pick(self.tokenizers), pick(prompts),
-                                                  pick(seeds), params, pick(eos_token_ids),
-                                                  pick(add_special_tokens), backend=self.decoder)):
-                out[a] = ro
+            # Copies compute in their own dtype: autocast (the trainer's, around sampling) would only
+            # add its per-op dispatch. Agents without a copy keep the caller's autocast.
+            plain = all(self.copies[a] is not None for a in loop)
+            with _autocast_off(pick(models)) if plain else contextlib.nullcontext():
+                for a, ro in zip(loop, rollout_agents(pick(models), pick(self.tokenizers), pick(prompts),
+                                                      pick(seeds), params, pick(eos_token_ids),
+                                                      pick(add_special_tokens), backend=self.decoder)):
+                    out[a] = ro
         for a, use in enumerate(self.via_generate):
             if use:
                 out[a] = generate_rollout(self.models[a], self.tokenizers[a], prompts[a], seeds[a], params,
@@ -280,10 +302,20 @@ class TransformersRollout:
         return out  # type: ignore[return-value]
 
     def mark_stale(self, agents: Optional[Sequence[int]] = None) -> None:
-        """Nothing to do: sampling reads the models' parameters themselves."""
+        """The agents' weights changed: their compute copies are refreshed before they next sample
+        (without copies sampling reads the models' parameters themselves)."""
+        self.stale.update(range(len(self.models)) if agents is None else agents)
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def _autocast_off(models: Sequence[torch.nn.Module]) -> contextlib.AbstractContextManager:
+    """Autocast disabled on every device type ``models`` are on."""
+    stack = contextlib.ExitStack()
+    for device_type in sorted({next(m.parameters()).device.type for m in models}):
+        stack.enter_context(torch.autocast(device_type=device_type, enabled=False))
+    return stack
 
 
 def _generate_on(device: torch.device, model: torch.nn.Module, prepared: _Prepared, params: SamplingParams,

@@ -1,0 +1,71 @@
+"""Compute copies of an agent's weights in a lower precision, for sampling under mixed precision.
+
+With ``mixed_precision="bf16"`` the agents keep float32 weights (the masters AdamW updates: its
+steps at RL learning rates are far below bfloat16's resolution and would round away) and compute
+in bfloat16. Under ``torch.autocast`` every matrix product casts its float32 weight to bfloat16
+again, at every forward; a rollout's decode steps are many small forwards of the same weights, so
+the casts cost as much as the products. A :class:`ComputeCopy` is the module cast once: bfloat16
+parameters, refreshed from the masters once after each optimizer step (what FSDP2's
+``MixedPrecisionPolicy(param_dtype=...)`` does for sharded models), which sampling runs on
+directly, without autocast.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+import torch
+
+__all__ = ["ComputeCopy", "wants_compute_copy"]
+
+
+def wants_compute_copy(model: torch.nn.Module, dtype: Optional[torch.dtype]) -> Optional[str]:
+    """None if ``model`` gets a ``dtype`` compute copy for sampling; otherwise why not."""
+    from ..adapters import AdapterAgent
+
+    if dtype is None:
+        return "no compute dtype"
+    if isinstance(model, AdapterAgent) or getattr(model, "peft_config", None) \
+            or getattr(model, "_hf_peft_config_loaded", False):
+        return "adapters (LoRA agents sample with their shared base and adapters under autocast)"
+    params = list(model.parameters())
+    if not params or any(not p.is_floating_point() for p in params):
+        return "parameters that are not floating point"
+    if all(p.dtype == dtype for p in params):
+        return f"already in {dtype}"
+    if any(hasattr(p, "to_local") for p in params):
+        return "sharded parameters (FSDP2's MixedPrecisionPolicy casts them)"
+    return None
+
+
+class ComputeCopy:
+    """``module`` with every floating parameter cast to ``dtype`` (buffers shared with the master:
+    rotary frequencies and the like stay in their precision), frozen and in eval mode. Parameters
+    tied in the master (embedding and output head) stay tied in the copy.
+
+    :meth:`refresh` copies the master's current values in (one cast per parameter); the copy is
+    the same function as the master evaluated in ``dtype``.
+    """
+
+    def __init__(self, master: torch.nn.Module, dtype: torch.dtype):
+        self.master, self.dtype = master, dtype
+        memo: dict[int, object] = {}
+        with torch.no_grad():
+            for p in master.parameters():  # parameters() lists a tied tensor once: the copy keeps the tie
+                memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+            for b in master.buffers():
+                memo[id(b)] = b
+            self.module = copy.deepcopy(master, memo)
+        self.module.eval()
+        self._pairs = [(c, m) for c, m in zip(self.module.parameters(), master.parameters())]
+        if len(self._pairs) != len(list(master.parameters())) or any(c.shape != m.shape for c, m in self._pairs):
+            raise RuntimeError(f"the {dtype} copy of {type(master).__name__} does not mirror its parameters")
+        self.refreshes = 0
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """The master's current weights, cast into the copy."""
+        copies, masters = zip(*self._pairs)
+        torch._foreach_copy_(list(copies), list(masters))
+        self.refreshes += 1
