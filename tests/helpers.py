@@ -1,9 +1,11 @@
 """Plain helpers shared by the tests (importable: the tests folder is on sys.path)."""
 
+from pathlib import Path
+
 from comlrl.testing import SEED_PROMPTS, length_ratio_reward
 
 __all__ = ["SEED_PROMPTS", "TEST_SETTINGS", "length_ratio_reward", "state_of", "assert_bit_exact", "rows", "play",
-           "record_gradients", "assert_same_gradients", "GRADIENT_RTOL", "adamw_divergence_bound"]
+           "record_gradients", "assert_same_gradients", "GRADIENT_RTOL", "adamw_divergence_bound", "write_config"]
 
 # What most tests train with, set explicitly rather than relying on the (CoMLRL 1.4.3) defaults:
 # one turn, one prompt per optimizer step, plain sampling, the GRPO token-mean loss.
@@ -123,3 +125,22 @@ def play(trainer, indices, epoch=0, threshold="config", split="train"):
     return trainer._collector(table).play(trainer._batch(table, indices), num_generations=trainer.args.num_generations,
                                           num_turns=trainer.args.num_turns,
                                           seed_of=train_seeds(trainer.args.seed, epoch), threshold=threshold)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_config(tmp_path: Path, args: str = "", trainer_extra: str = "") -> Path:
+    """A `comlrl train` config for the seed task on the tiny model (``args``: more lines under
+    ``args:``; ``trainer_extra``: more lines under ``trainer:``)."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"""trainer:
+  name: MAGRPO
+  agent_model: tiny
+  reward_func: comlrl.testing:length_ratio_reward
+  train_dataset: {ROOT / 'examples' / 'configs' / 'seed_prompts.jsonl'}
+{trainer_extra}  args:
+    num_turns: 1
+    max_new_tokens: 8
+{args}""")
+    return config

