@@ -29,6 +29,7 @@ require_torch("comlrl.extend")  # before the first torch import: say how to inst
 
 from .checkpoint.manager import Slots
 from .engine.config import check_bool, check_choice, check_float, check_int, check_str, config_class, optional, setting
+from .engine.distributed import all_reduce_sum
 from .engine.episode import Node, Turn
 from .engine.metrics import record_turns
 from .engine.settings import TrainerConfig
@@ -53,6 +54,8 @@ __all__ = [
     # the update phase
     "policy_backward", "rows_log_probs", "step_denominator", "concat_rollouts", "select_rows", "OLD_LOG_PROBS",
     "ADVANTAGE_WEIGHTS", "record_turns",
+    # every process together (under torchrun): sums of what a trainer logs, through self.dist
+    "all_reduce_sum",
     # choices by name: advantage estimators (advantage_mode) and policy losses (PolicyLossSpec.name)
     "register_advantage", "ADVANTAGE_ESTIMATORS", "register_policy_loss", "POLICY_LOSSES", "PolicyLossSpec",
     "Registry",

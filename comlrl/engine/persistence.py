@@ -20,7 +20,7 @@ from .config import field_defaults, resumable_fields
 from .layouts import module_layout, slot_index
 from .state import TrainState
 
-__all__ = ["Persistence"]
+__all__ = ["Persistence", "write_agents"]
 
 logger = logging.getLogger("comlrl")
 
@@ -247,7 +247,7 @@ class Persistence:
         if self.sharded:
             written = self._save_sharded_model(Path(output_dir))
         else:
-            written = dist.main_process_first_result(lambda: _write_agents(Path(output_dir), self._exported(),
+            written = dist.main_process_first_result(lambda: write_agents(Path(output_dir), self._exported(),
                                                                            merge_adapters, self.run_id), self.dist)
         self._note_final_model(written)
         return written
@@ -303,7 +303,7 @@ class Persistence:
         return [(f"agent_{i}", m, t) for i, (m, t) in enumerate(zip(self.agents, self.tokenizers))]
 
 
-def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool,
+def write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool,
                   run_id: Optional[str] = None) -> Path:
     """Write ``exported`` as ``target/<folder>`` model directories (see
     :func:`comlrl.checkpoint.export.write_export`: only ever replacing an earlier export)."""

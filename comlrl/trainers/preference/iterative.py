@@ -178,14 +178,14 @@ class _Iterative:
     def _write_snapshot(self, target: Path) -> dict[str, str]:
         """Write the snapshot (replacing only one this run wrote) and return its files' hashes."""
         from ...checkpoint.export import export_record
-        from ...engine.persistence import _write_agents
+        from ...engine.persistence import write_agents
 
         record = export_record(target) if target.is_dir() else None
         if record is not None and record["run_id"] != self.run_id:
             raise CheckpointError(f"{target} holds another run's policy snapshot (run {record['run_id']}); it is never "
                                   "replaced. Set policy_checkpoint_dir to another folder.")
         own_dir(target.parent, "the policy snapshot folder", CheckpointDirError)
-        _write_agents(target, self._exported(), False, self.run_id)
+        write_agents(target, self._exported(), False, self.run_id)
         return tree_hashes(target)
 
     def _history_models(self) -> tuple[list[Any], list[Any]]:

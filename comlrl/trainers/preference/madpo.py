@@ -196,7 +196,7 @@ class MADPOTrainer(Trainer):
         random state is restored afterwards: training after this call is exactly as without it.
         Under torchrun every process must call it; each returns every pair.
         """
-        from ...engine.evaluation import _restored_rng
+        from ...engine.evaluation import restored_rng
         from ...engine.prompts import PromptTable
 
         self._check_open()
@@ -208,7 +208,7 @@ class MADPOTrainer(Trainer):
         saved = self._set_id
         self._set_id = _HELD_OUT_SET
         try:
-            with _restored_rng():
+            with restored_rng():
                 pairs, _ = MADPOTrainer._generate_pairs(self, PhaseTimer(), table)
         finally:
             self._set_id = saved

@@ -25,7 +25,7 @@ import torch
 from ...engine import distributed as dist
 from ...engine.timing import PhaseTimer
 from ...exceptions import ConfigError
-from ...functional.logprobs import _plain_head
+from ...functional.logprobs import plain_head
 from ...functional.preference import bradley_terry_loss
 from ...models.actor_critic import unwrap_policy
 from ...rollout import left_pad
@@ -68,7 +68,7 @@ class JointRewardModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``[B]`` rewards of ``[B, L]`` token rows."""
-        plain = _plain_head(self.backbone)
+        plain = plain_head(self.backbone)
         if plain is not None:  # hidden states without the language-model head
             positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
             hidden = plain[0](input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
