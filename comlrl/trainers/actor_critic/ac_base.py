@@ -21,13 +21,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 
 from ...engine import distributed as dist
 from ...engine.metrics import record_turns
 from ...engine.state import PlayedBuffer
 from ...engine.step import AgentRows, concat_rollouts, policy_backward, select_rows
+from ...engine.streams import Stream, stream_rng
 from ...engine.timing import PhaseTimer
 from ...engine.trainer import Trainer
 from ...exceptions import ConfigError
@@ -197,7 +197,7 @@ class ActorCriticTrainerBase(Trainer):
         prompts, by a permutation drawn from (seed, epoch, first prompt), no global RNG used."""
         if len(indices) <= self._step_prompts():
             return list(indices)
-        permutation = np.random.default_rng([self.args.seed, 7, epoch, indices[0]]).permutation(len(indices))
+        permutation = stream_rng(self.args.seed, Stream.BUFFER_ORDER, epoch, indices[0]).permutation(len(indices))
         return [indices[i] for i in permutation]
 
     def trained_slots(self):

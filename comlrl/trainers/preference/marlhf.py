@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ...engine import distributed as dist
+from ...engine.streams import Stream, stream_rng
 from ...engine.timing import PhaseTimer
 from ...exceptions import ConfigError
 from ...functional.logprobs import plain_head
@@ -284,7 +285,7 @@ class MARLHFTrainer(MADPOTrainer):
         size = a.reward_train_batch_size
         for epoch in range(a.reward_num_train_epochs):
             timer = PhaseTimer(self.device)
-            order = np.random.default_rng([a.seed, 17, self._set_id, epoch]).permutation(len(pairs)).tolist()
+            order = stream_rng(a.seed, Stream.REWARD_MODEL_ORDER, self._set_id, epoch).permutation(len(pairs)).tolist()
             losses, correct = [], 0.0
             with timer("reward_model"):
                 for start in range(0, len(order), size):
