@@ -14,6 +14,7 @@ from .._version import __version__
 from ..checkpoint.export import write_export
 from ..checkpoint.fingerprint import callable_fingerprint, compare_fingerprints, model_fingerprint, tokenizer_fingerprint
 from ..checkpoint.manager import CheckpointManager, Slots, checkpoint_state
+from ..checkpoint.state import RunRecord
 from ..exceptions import ConfigError, ResumeMismatchError, TrainingError
 from . import distributed as dist
 from .config import field_defaults, resumable_fields
@@ -74,11 +75,11 @@ class Persistence:
 
     def _record(self) -> dict[str, Any]:
         """The JSON state of a checkpoint (the manager adds RNG and optimizer state)."""
-        return {"run_id": self.run_id, "trainer": type(self).__name__, "counters": self.state.counters(),
-                "log_window": self.state.window.to_dict(), "num_train_epochs": self.args.num_train_epochs,
-                "wandb": self.wandb_identity, "trackers": dict(self.tracker_identities), "config": self.args.to_dict(),
-                "fingerprints": self._fingerprints(), "comlrl_version": __version__, "launch": self.launch_config,
-                "algorithm": self.algorithm_state(), "folders": self._export_folders()}
+        return RunRecord(run_id=self.run_id, trainer=type(self).__name__, counters=self.state.counters(),
+                         log_window=self.state.window.to_dict(), num_train_epochs=self.args.num_train_epochs,
+                         wandb=self.wandb_identity, trackers=dict(self.tracker_identities), config=self.args.to_dict(),
+                         fingerprints=self._fingerprints(), comlrl_version=__version__, launch=self.launch_config,
+                         algorithm=self.algorithm_state(), folders=self._export_folders()).to_json()
 
     def _export_folders(self) -> dict[str, str]:
         """``{slot: folder}``: where ``save_model`` puts each exported module (``agent-0`` ->
