@@ -10,6 +10,10 @@ A trainer family subclasses :class:`Trainer` (or a family's trainer, such as
     algorithm_state() / load_algorithm_state(...)     JSON state of the algorithm, checkpointed
     fingerprint_extra() -> dict                       what a resumed run must share beyond the config
 
+Choices are registered by name, one function each: ``register_advantage(name)`` (an estimator
+``advantage_mode`` can select) and ``register_policy_loss(name)`` (a loss a
+:class:`PolicyLossSpec` names; ``MAGRPOTrainer.policy_loss_spec`` picks the run's).
+
 The engine does the rest: the epoch loop and data order, evaluation cadence, logging at
 ``env_step`` to every tracker, checkpoints (atomic, hashed, locked, loadable folders) and exact
 resume, data parallelism under torchrun, LoRA agents, the CLI (``comlrl train`` finds every
@@ -25,6 +29,7 @@ require_torch("comlrl.extend")  # before the first torch import: say how to inst
 
 from .checkpoint.manager import Slots
 from .engine.config import check_bool, check_choice, check_float, check_int, check_str, config_class, optional, setting
+from .engine.distributed import all_reduce_sum
 from .engine.episode import Node, Turn
 from .engine.metrics import record_turns
 from .engine.settings import TrainerConfig
@@ -33,8 +38,9 @@ from .engine.step import (ADVANTAGE_WEIGHTS, OLD_LOG_PROBS, AgentRows, StepLoss,
                           rows_log_probs, select_rows, step_denominator)
 from .engine.timing import PhaseTimer
 from .engine.trainer import Trainer
-from .functional import (clipped_policy_loss, discounted_returns, group_advantages, policy_gradient_loss,
-                         sequence_kl, sequence_log_probs, sequence_ratio)
+from .functional import (ADVANTAGE_ESTIMATORS, POLICY_LOSSES, PolicyLossSpec, Registry, clipped_policy_loss,
+                         discounted_returns, group_advantages, policy_gradient_loss, register_advantage,
+                         register_policy_loss, sequence_kl, sequence_log_probs, sequence_ratio)
 from .rollout import Rollout
 from .trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
@@ -48,6 +54,11 @@ __all__ = [
     # the update phase
     "policy_backward", "rows_log_probs", "step_denominator", "concat_rollouts", "select_rows", "OLD_LOG_PROBS",
     "ADVANTAGE_WEIGHTS", "record_turns",
+    # every process together (under torchrun): sums of what a trainer logs, through self.dist
+    "all_reduce_sum",
+    # choices by name: advantage estimators (advantage_mode) and policy losses (PolicyLossSpec.name)
+    "register_advantage", "ADVANTAGE_ESTIMATORS", "register_policy_loss", "POLICY_LOSSES", "PolicyLossSpec",
+    "Registry",
     # pure tensor functions
     "group_advantages", "discounted_returns", "policy_gradient_loss", "clipped_policy_loss", "sequence_ratio",
     "sequence_kl", "sequence_log_probs",

@@ -7,6 +7,7 @@ import`` of a module, at the top or inside a function; ``if TYPE_CHECKING:`` blo
 * ``exceptions`` and ``_imports`` (lazy exports, install hints) import nothing of ours;
 * ``checkpoint/``, ``rollout/`` and ``tracking/`` import neither ``engine/`` nor ``trainers/``;
 * ``engine/`` imports no public facade (``utils/``, ``schedulers/``, the package root) and no family;
+* ``algorithms/`` (algorithms written as a user would) imports ``extend`` and ``exceptions`` only;
 * no import cycle, of two files or more.
 """
 
@@ -69,6 +70,7 @@ def test_layers_import_only_downwards():
         "exceptions": lambda target: False,
         "_imports": lambda target: False,
         "engine": lambda target: _layer(target) not in ("utils", "schedulers", "trainers", "<root>"),
+        "algorithms": lambda target: _layer(target) in ("algorithms", "extend", "exceptions", "_imports"),
     }
     broken = sorted((m, t) for m, targets in GRAPH.items() for t in targets
                     if _layer(m) in rules and not rules[_layer(m)](t))
@@ -112,3 +114,34 @@ def test_the_graph_is_read():
     assert "comlrl.checkpoint.files" in GRAPH["comlrl.checkpoint.manager"]
     assert "comlrl.engine.trainer" in GRAPH["comlrl.trainers.reinforce.magrpo"]
     assert _imports("comlrl.engine.x", PACKAGE / "engine" / "trainer.py", _modules()) >= {"comlrl.engine.loop"}
+
+
+def _private_imports_across_packages() -> list[tuple[str, str, str]]:
+    """``(importer, module, name)`` of every ``from module import _name`` (dunders aside) whose
+    module lies in another package than the importer: a name with a leading underscore is its
+    package's internal, so a module elsewhere that needs it needs a public name."""
+    modules = _modules()
+    out = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                stem = ".".join(base + ([node.module] if node.module else []))
+            else:
+                stem = node.module or ""
+            if stem.split(".")[0] != "comlrl":
+                continue
+            target = stem if stem in modules else stem.rsplit(".", 1)[0]
+            target_package = target if modules.get(target, Path()).name == "__init__.py" else target.rsplit(".", 1)[0]
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and f"{stem}.{alias.name}" not in modules and target_package != package:
+                    out.append((name, stem, alias.name))
+    return sorted(out)
+
+
+def test_no_private_name_is_imported_from_another_package():
+    assert not _private_imports_across_packages(), _private_imports_across_packages()

@@ -9,15 +9,16 @@ on the word of a wrong number).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ..exceptions import CheckpointError
 from .files import SLOT_NAME
 from ..tracking.trackers import check_tracker_identities
 from ..tracking.wandb import check_identity
 
-__all__ = ["COUNTERS", "validate_state", "counters_of"]
+__all__ = ["COUNTERS", "RunRecord", "validate_state", "counters_of"]
 
 COUNTERS = ("epoch", "items_in_epoch", "global_step", "env_step", "checkpoint", "last_logged_env_step")
 INT64_MAX = 2**63 - 1  # every counter fits an int64 (TensorBoard, W&B and torch take its steps as one)
@@ -50,6 +51,37 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "schedulers": (_is_dict, "an object"),
     "algorithm": (_is_dict, "an object"),
 }
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """The run's part of ``trainer_state.json``, as the trainer hands it to a save (the checkpoint
+    manager adds ``world_size``, ``rng``, ``rng_other_ranks``, ``schedulers`` and ``optimizers``;
+    :func:`validate_state` checks the whole file on resume). One record, so that the fields a
+    checkpoint holds are written down once."""
+
+    run_id: str                          # 32 lowercase hex digits, the run's identity
+    trainer: str                         # the trainer class's name
+    counters: dict[str, int]             # COUNTERS
+    log_window: dict[str, Any]           # {"sums": {...}, "counts": {...}} of the metrics not yet logged
+    num_train_epochs: int
+    config: dict[str, Any]               # the config's fields
+    fingerprints: dict[str, Any]         # what a resumed run must share (config, models, data, reward, ...)
+    comlrl_version: str
+    algorithm: dict[str, Any]            # the family's own JSON state
+    wandb: Optional[dict[str, Any]] = None               # the W&B run's identity
+    trackers: dict[str, Any] = field(default_factory=dict)  # the other trackers' identities
+    launch: Optional[dict[str, Any]] = None              # what `comlrl train` recorded
+    folders: dict[str, str] = field(default_factory=dict)   # {slot: export folder}
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as the JSON object saved (a fresh, shallow dict: the manager adds to it)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, state: dict[str, Any]) -> "RunRecord":
+        """The run's part of a validated state (:func:`validate_state`)."""
+        return cls(**{f.name: state[f.name] for f in fields(cls) if f.name in state})
 
 
 def validate_state(state: dict[str, Any], path: Path, number: int) -> dict[str, Any]:

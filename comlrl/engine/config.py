@@ -102,6 +102,19 @@ def check_choice(*choices: str, aliases: Optional[dict[str, str]] = None, none_i
     return check
 
 
+def check_registered(registry: Any) -> Check:
+    """A name registered in ``registry`` (a :class:`comlrl.functional.registry.Registry`) when the
+    value is checked, so that a config can select what an extension registered (case and
+    surrounding spaces ignored, as :func:`check_choice`)."""
+    def check(name: str, value: Any) -> str:
+        key = value.strip() if isinstance(value, str) else None
+        key = key if key in registry or key is None else key.lower()
+        if key not in registry:
+            raise ConfigError(f"{name} must be one of {', '.join(map(repr, registry.names()))}; got {value!r}.")
+        return key
+    return check
+
+
 def check_str(name: str, value: Any) -> str:
     """The check of a non-empty string field."""
     if not isinstance(value, str) or not value:

@@ -24,7 +24,7 @@ from .collect import eval_seeds
 from .metrics import episode_metrics, merge_records, record_turns
 from .prompts import PromptTable
 
-__all__ = ["Evaluation", "EvalCallbacks"]
+__all__ = ["Evaluation", "EvalCallbacks", "restored_rng"]
 
 logger = logging.getLogger("comlrl")
 
@@ -54,7 +54,7 @@ class Evaluation:
         table = self._table("eval")
         count = num_eval_samples if num_eval_samples is not None else self.args.eval_num_samples
         indices = list(range(len(table) if not count else min(count, len(table))))
-        with _restored_rng():
+        with restored_rng():
             records, completions = self._eval_episodes(table, indices)
         merged = merge_records(records, self.args.num_turns, self.num_agents, self.dist)
         metrics = {k: v for k, v in episode_metrics(merged, "eval", "eval/").items()
@@ -187,7 +187,7 @@ def _parameters(func: Optional[Callable]) -> Optional[list[inspect.Parameter]]:
 
 
 @contextlib.contextmanager
-def _restored_rng():
+def restored_rng():
     """Run a block without changing any global random state (evaluation never shifts training)."""
     from ..checkpoint.rng import capture_rng_state, restore_rng_state
 

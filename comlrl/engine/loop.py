@@ -154,13 +154,18 @@ class RunLoop:
         """Save a checkpoint now (a family's phase boundary), when the run has a checkpoint_dir."""
         if self.checkpoint_dir is None:
             return
+        self._save_now()
+        self._raise_tracker_failure()
+
+    def _save_now(self) -> None:
+        """The next checkpoint, now: trackers synced first, its cost (copying the state; the files
+        are written in the background) counted in the next logged row."""
         self._sync_trackers()
         timer = PhaseTimer(self.t.device)
         with timer("checkpoint"):
             self.t._save(self.t.state.checkpoint + 1, self.limit)
         self._saved()
         self.t.state.window.add(timer.metrics())
-        self._raise_tracker_failure()
 
     def _saved(self) -> None:
         if self.failures and self.saved_since_failure is None:
@@ -246,15 +251,8 @@ class RunLoop:
         due = epoch_done and (t.state.epoch % self.interval == 0 or t.state.epoch == self.args.num_train_epochs)
         if self.save_steps is not None and not epoch_done:
             due = t.state.global_step // self.save_steps > steps_before // self.save_steps
-        if not due:
-            return
-        self._sync_trackers()
-        timer = PhaseTimer(t.device)
-        with timer("checkpoint"):
-            t._save(t.state.checkpoint + 1, self.limit)
-        self._saved()
-        # Its cost (copying the state; the files are written in the background) goes in the next row.
-        t.state.window.add(timer.metrics())
+        if due:
+            self._save_now()
 
     @contextlib.contextmanager
     def _progress(self) -> Iterator[Any]:

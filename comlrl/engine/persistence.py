@@ -14,13 +14,14 @@ from .._version import __version__
 from ..checkpoint.export import write_export
 from ..checkpoint.fingerprint import callable_fingerprint, compare_fingerprints, model_fingerprint, tokenizer_fingerprint
 from ..checkpoint.manager import CheckpointManager, Slots, checkpoint_state
+from ..checkpoint.state import RunRecord
 from ..exceptions import ConfigError, ResumeMismatchError, TrainingError
 from . import distributed as dist
 from .config import field_defaults, resumable_fields
 from .layouts import module_layout, slot_index
 from .state import TrainState
 
-__all__ = ["Persistence"]
+__all__ = ["Persistence", "write_agents"]
 
 logger = logging.getLogger("comlrl")
 
@@ -74,11 +75,11 @@ class Persistence:
 
     def _record(self) -> dict[str, Any]:
         """The JSON state of a checkpoint (the manager adds RNG and optimizer state)."""
-        return {"run_id": self.run_id, "trainer": type(self).__name__, "counters": self.state.counters(),
-                "log_window": self.state.window.to_dict(), "num_train_epochs": self.args.num_train_epochs,
-                "wandb": self.wandb_identity, "trackers": dict(self.tracker_identities), "config": self.args.to_dict(),
-                "fingerprints": self._fingerprints(), "comlrl_version": __version__, "launch": self.launch_config,
-                "algorithm": self.algorithm_state(), "folders": self._export_folders()}
+        return RunRecord(run_id=self.run_id, trainer=type(self).__name__, counters=self.state.counters(),
+                         log_window=self.state.window.to_dict(), num_train_epochs=self.args.num_train_epochs,
+                         wandb=self.wandb_identity, trackers=dict(self.tracker_identities), config=self.args.to_dict(),
+                         fingerprints=self._fingerprints(), comlrl_version=__version__, launch=self.launch_config,
+                         algorithm=self.algorithm_state(), folders=self._export_folders()).to_json()
 
     def _export_folders(self) -> dict[str, str]:
         """``{slot: folder}``: where ``save_model`` puts each exported module (``agent-0`` ->
@@ -247,7 +248,7 @@ class Persistence:
         if self.sharded:
             written = self._save_sharded_model(Path(output_dir))
         else:
-            written = dist.main_process_first_result(lambda: _write_agents(Path(output_dir), self._exported(),
+            written = dist.main_process_first_result(lambda: write_agents(Path(output_dir), self._exported(),
                                                                            merge_adapters, self.run_id), self.dist)
         self._note_final_model(written)
         return written
@@ -303,7 +304,7 @@ class Persistence:
         return [(f"agent_{i}", m, t) for i, (m, t) in enumerate(zip(self.agents, self.tokenizers))]
 
 
-def _write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool,
+def write_agents(target: Path, exported: list[tuple[str, torch.nn.Module, Any]], merge_adapters: bool,
                   run_id: Optional[str] = None) -> Path:
     """Write ``exported`` as ``target/<folder>`` model directories (see
     :func:`comlrl.checkpoint.export.write_export`: only ever replacing an earlier export)."""

@@ -16,7 +16,7 @@ from ..tracking.trackers import check_report_to, check_report_to_installed
 from .config import (Config, check_bool, check_choice, check_float, check_int, check_str, config_class, optional,
                      setting)
 
-__all__ = ["TrainerConfig", "ROLLOUT_BACKENDS", "MIXED_PRECISIONS", "SHARDINGS"]
+__all__ = ["TrainerConfig", "ROLLOUT_BACKENDS", "MIXED_PRECISIONS", "SHARDINGS", "check_devices"]
 
 ROLLOUT_BACKENDS = ("auto", "hf", "generate", "vllm")
 SHARDINGS = ("none", "fsdp2")
@@ -24,7 +24,7 @@ MIXED_PRECISIONS = ("bf16",)
 Devices = Optional[Union[str, Sequence[str]]]
 
 
-def _devices(name: str, value: Any) -> Any:
+def check_devices(name: str, value: Any) -> Any:
     """None, one device string, or a list of them (kept as the user wrote it, tuples as lists)."""
     if value is None:
         return None
@@ -80,7 +80,7 @@ class TrainerConfig(Config):
     parallel_training: str = setting("none", "'none': agents run one after another; 'mp': one device per agent "
                                              "(explicit agent_devices), agents sampling at the same time.",
                                      _parallel, may_change=True)
-    agent_devices: Devices = setting(None, "None/'auto', one device for all agents, or one per agent.", _devices,
+    agent_devices: Devices = setting(None, "None/'auto', one device for all agents, or one per agent.", check_devices,
                                      may_change=True)
     num_generations: int = setting(4, "Completions each agent samples per prompt (the group size K).", check_int(1))
     max_new_tokens: int = setting(256, "Most tokens an agent generates per completion.", check_int(1))
@@ -117,7 +117,7 @@ class TrainerConfig(Config):
                                             "completion's log-ratio to the reference (k1; docs/migrating-from-comlrl.md).",
                                        check_float(lambda v: v >= 0, ">= 0"))
     reference_devices: Devices = setting(None, "Devices of the frozen reference models; None = the agents'.",
-                                         _devices, may_change=True)
+                                         check_devices, may_change=True)
 
     # --- comlrl's own settings ----------------------------------------------------------------
     seed: int = setting(42, "Seeds data order, sampling and model code; same seed + same inputs = same run.",

@@ -15,7 +15,7 @@ import torch
 
 from ..exceptions import TrainingError
 from ..functional.logprobs import sequence_log_probs
-from ..functional.losses import clipped_policy_loss, loss_denominator, policy_gradient_loss, sequence_kl
+from ..functional.losses import PolicyLossSpec, loss_denominator, sequence_kl
 from ..rollout import Rollout
 from . import distributed as dist
 
@@ -101,42 +101,49 @@ AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (returns [
 
 
 def policy_backward(model: torch.nn.Module, rows: AgentRows, advantages: AdvantageFn, *, temperature: float,
-                    loss_type: str, max_new_tokens: int, denominator: float, micro_groups: Optional[int],
+                    denominator: float, micro_groups: Optional[int], loss: Optional[PolicyLossSpec] = None,
                     reference: Optional[Callable[[Rollout], torch.Tensor]] = None, kl_coef: float = 0.0,
                     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-                    clip_eps: Optional[float] = None, ratio_loss: bool = False, keep_log_probs: bool = False,
-                    passes: Optional[int] = None) -> StepLoss:
-    """Back-propagate an agent's policy-gradient loss over ``rows``, micro-batch by micro-batch.
+                    keep_log_probs: bool = False, passes: Optional[int] = None, loss_type: Optional[str] = None,
+                    max_new_tokens: Optional[int] = None, clip_eps: Optional[float] = None,
+                    ratio_loss: bool = False) -> StepLoss:
+    """Back-propagate an agent's policy loss over ``rows``, micro-batch by micro-batch.
 
     Per micro-batch: one padded forward for the rows' log-probs; with a ``reference`` (a function
     giving the reference policy's log-probs of the same rows) each completion's return is reduced
     by ``kl_coef`` times its KL to the reference (the log-ratio estimate: see
     :func:`comlrl.functional.losses.sequence_kl`; no gradient through it); the
-    advantages (times ``rows.extras[ADVANTAGE_WEIGHTS]`` when given); the loss ``token_sum /
-    denominator``, where ``denominator`` is that of the whole optimizer step on all processes; backward.
+    advantages (times ``rows.extras[ADVANTAGE_WEIGHTS]`` when given); the ``loss`` divided by
+    ``denominator``, that of the whole optimizer step on all processes; backward.
 
-    ``ratio_loss=True`` takes the clipped-ratio (PPO) loss
-    (:func:`comlrl.functional.losses.clipped_policy_loss`, ``clip_eps`` None: unclipped) against
-    ``rows.extras[OLD_LOG_PROBS]``, the sampling policy's log-probs (absent: the policy has not
-    changed since sampling, so this very forward's log-probs are the old ones and every ratio is
-    1); the KL penalty is then taken from the old log-probs, so that advantages stay those of the
-    samples however many updates reuse them. Otherwise the REINFORCE loss at ratio 1
-    (:func:`comlrl.functional.losses.policy_gradient_loss`).
+    ``loss``: a :class:`~comlrl.functional.losses.PolicyLossSpec` naming a registered policy loss
+    (build it once per run). A loss registered with ``ratio=True`` (``"clipped"``: PPO's clipped
+    ratio) compares against ``rows.extras[OLD_LOG_PROBS]``, the sampling policy's log-probs
+    (absent: the policy has not changed since sampling, so this very forward's log-probs are the
+    old ones and every ratio is 1); the KL penalty is then taken from the old log-probs, so that
+    advantages stay those of the samples however many updates reuse them. Without ``loss`` the
+    spec is built from ``loss_type``, ``max_new_tokens``, ``clip_eps`` and ``ratio_loss``
+    (``"clipped"`` when True, else ``"reinforce"``), as before registries.
 
     ``passes`` (sharded agents, see :func:`collective_passes`): run idle passes after this
     process's micro-batches until every process has run that many.
     """
+    if loss is None:
+        loss = PolicyLossSpec("clipped" if ratio_loss else "reinforce", loss_type or "sequence", max_new_tokens,
+                              clip_eps)
+    ratio = loss.uses_old_log_probs
     out = StepLoss()
     kept: list[torch.Tensor] = []
     # Eval mode, as during sampling: the gradient must be that of the policy that sampled
     # (dropout would make it another policy's, biasing the ratio-1 on-policy loss).
     model.eval()
-    for piece in rows.micro_batches(micro_groups):
+    pieces = rows.micro_batches(micro_groups)
+    for piece in pieces:
         ro = piece.rollout
         with autocast():
             logp = sequence_log_probs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, temperature)
-        old = piece.extras.get(OLD_LOG_PROBS) if ratio_loss else None
-        old = old.to(logp.device) if old is not None else (logp.detach() if ratio_loss else None)
+        old = piece.extras.get(OLD_LOG_PROBS) if ratio else None
+        old = old.to(logp.device) if old is not None else (logp.detach() if ratio else None)
         returns = piece.returns
         if reference is not None:
             kl = sequence_kl(old if old is not None else logp, reference(ro), ro.completion_mask).cpu()
@@ -145,23 +152,18 @@ def policy_backward(model: torch.nn.Module, rows: AgentRows, advantages: Advanta
         adv = advantages(returns, piece.groups)
         if ADVANTAGE_WEIGHTS in piece.extras:
             adv = adv * piece.extras[ADVANTAGE_WEIGHTS].to(adv.dtype)
-        if ratio_loss:
-            loss, clipped = clipped_policy_loss(logp, old, adv.to(logp.device), ro.completion_mask, clip_eps, loss_type,
-                                                max_new_tokens, denominator=denominator)
+        value, clipped = loss(logp, old, adv.to(logp.device), ro.completion_mask, denominator)
+        if clipped is not None:
             out.clipped += float(clipped.sum())
-        else:
-            loss = policy_gradient_loss(logp, adv.to(logp.device), ro.completion_mask, loss_type, max_new_tokens,
-                                        denominator=denominator)
-        loss.backward()
-        out.loss += float(loss.detach())
+        value.backward()
+        out.loss += float(value.detach())
         out.rows += len(piece.returns)
         out.tokens += float(ro.completion_mask.sum())
         if keep_log_probs:
             kept.append(logp.detach())
     if keep_log_probs and kept:
         out.log_probs = torch.cat(kept)
-    idle_passes(model, (passes or 0) - len(rows.micro_batches(micro_groups)), reference=reference, grad=True,
-                autocast=autocast)
+    idle_passes(model, (passes or 0) - len(pieces), reference=reference, grad=True, autocast=autocast)
     return out
 
 

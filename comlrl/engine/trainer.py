@@ -18,7 +18,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-import numpy as np
 import torch
 
 from ..checkpoint.manager import CheckpointManager, Slots
@@ -41,6 +40,7 @@ from .rewards import RewardFunction
 from .settings import TrainerConfig
 from .state import STEP_DONE, PlayedBuffer, TrainState
 from .step import allocate_adam_state, apply_gradients, own_parameters
+from .streams import Stream, stream_rng
 from .timing import PhaseTimer
 
 __all__ = ["Trainer"]
@@ -414,7 +414,7 @@ class Trainer(Evaluation, Persistence):
         """Dataset indices of ``epoch`` in training order (a pure function of seed and epoch)."""
         n = len(self._table("train"))
         if self.args.shuffle:
-            return np.random.default_rng([self.args.seed, epoch]).permutation(n).tolist()
+            return stream_rng(self.args.seed, Stream.DATA_ORDER, epoch).permutation(n).tolist()
         return list(range(n))
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:

@@ -6,9 +6,20 @@ same functions serve aligned groups, uneven groups and data-parallel shards.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-__all__ = ["group_advantages", "group_mean_std"]
+from .registry import Registry
+
+__all__ = ["group_advantages", "group_mean_std", "ADVANTAGE_ESTIMATORS", "register_advantage", "AdvantageEstimator"]
+
+AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(returns, group_ids) -> advantages``: float64 ``[N]`` returns and int64 ``[N]`` group ids in,
+float64 ``[N]`` advantages out (before any std normalisation, which :func:`group_advantages` applies)."""
+
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+register_advantage = ADVANTAGE_ESTIMATORS.register
 
 
 def group_mean_std(values: torch.Tensor, group_ids: torch.Tensor, unbiased: bool = False
@@ -41,6 +52,35 @@ def _group_max(values: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     return init.scatter_reduce(0, group_ids, values, reduce="amax")[group_ids]
 
 
+# The baselines of the REINFORCE family, one function each (``advantage_mode`` names them).
+
+@register_advantage("mean")
+def mean_baseline(returns: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """The return less its group's mean (MAGRPO / GRPO)."""
+    return returns - group_mean_std(returns, group_ids)[0]
+
+
+@register_advantage("raw")
+def no_baseline(returns: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """The return itself (plain REINFORCE)."""
+    return returns.clone()
+
+
+@register_advantage("max")
+def max_baseline(returns: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """The return less its group's best (ReMax-style; advantages are <= 0)."""
+    return returns - _group_max(returns, group_ids)
+
+
+@register_advantage("rloo")
+def leave_one_out_baseline(returns: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """The return less the mean of the group's *other* samples, ``K/(K-1) * (r - mean)`` for a
+    group of K; a group of one has no others, so its advantage is 0."""
+    mean = group_mean_std(returns, group_ids)[0]
+    counts = torch.bincount(group_ids).to(torch.float64)[group_ids]
+    return torch.where(counts > 1, (returns - mean) * counts / (counts - 1).clamp(min=1), torch.zeros_like(returns))
+
+
 def group_advantages(
     returns: torch.Tensor,
     group_ids: torch.Tensor,
@@ -53,7 +93,8 @@ def group_advantages(
     Args:
         returns: ``[N]`` returns (float).
         group_ids: ``[N]`` int64 group of each sample (samples of one prompt share an id).
-        mode: the baseline subtracted from each return:
+        mode: the registered estimator (:data:`ADVANTAGE_ESTIMATORS`) that gives the advantage
+            before normalisation; comlrl registers these baselines subtracted from each return:
             ``"mean"``: group mean (MAGRPO / GRPO);
             ``"raw"``: none (plain REINFORCE);
             ``"max"``: group max (ReMax-style; advantages are <= 0);
@@ -70,19 +111,8 @@ def group_advantages(
     if returns.shape != group_ids.shape or returns.dim() != 1:
         raise ValueError(f"returns {tuple(returns.shape)} and group_ids {tuple(group_ids.shape)} must be equal 1-D shapes")
     r = returns.to(torch.float64)
-    mean, std = group_mean_std(r, group_ids)
-    if mode == "mean":
-        adv = r - mean
-    elif mode == "raw":
-        adv = r.clone()
-    elif mode == "max":
-        adv = r - _group_max(r, group_ids)
-    elif mode == "rloo":
-        counts = torch.bincount(group_ids).to(torch.float64)[group_ids]
-        # Leave-one-out mean of the others; a group of one has no others, so its advantage is 0.
-        adv = torch.where(counts > 1, (r - mean) * counts / (counts - 1).clamp(min=1), torch.zeros_like(r))
-    else:
-        raise ValueError(f"unknown advantage mode {mode!r}; use 'mean', 'raw', 'max' or 'rloo'")
+    adv = ADVANTAGE_ESTIMATORS.get(mode)(r, group_ids)
     if normalize:
+        std = group_mean_std(r, group_ids)[1]
         adv = adv / torch.where(std > eps, std, torch.ones_like(std))
     return adv.to(torch.float32)

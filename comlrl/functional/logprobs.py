@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["selected_log_probs", "linear_selected_log_probs", "sequence_log_probs", "log_probs_and_hidden",
-           "final_hidden_states"]
+           "final_hidden_states", "plain_head"]
 
 # Causal LMs whose logits are exactly ``lm_head(final hidden state)`` (no soft-capping or scaling):
 # for these the log-probs are computed from the hidden states without materialising all logits.
@@ -142,8 +142,8 @@ def _fsdp_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def _plain_head(model: torch.nn.Module):
-    """(backbone, lm_head) when the model's logits are exactly ``lm_head(backbone(...)[0])``."""
+def plain_head(model: torch.nn.Module):
+    """(backbone, lm_head) when the model's logits are exactly ``lm_head(backbone(...)[0])``, else None."""
     from transformers import PreTrainedModel
 
     config = getattr(model, "config", None)
@@ -157,6 +157,9 @@ def _plain_head(model: torch.nn.Module):
             or getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None):
         return None
     return backbone, head
+
+
+_plain_head = plain_head  # what this module's own forwards call (a test forces the unfused path through it)
 
 
 def sequence_log_probs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

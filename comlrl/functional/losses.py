@@ -5,12 +5,16 @@ Shapes: ``R`` rows (completions), ``T`` completion length (right-padded).
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable, Optional
 
 import torch
 
+from .registry import Registry
+
 __all__ = ["completion_mask", "policy_gradient_loss", "clipped_policy_loss", "token_sum", "loss_denominator",
-           "aggregate_tokens", "sequence_kl", "sequence_ratio", "LOSS_TYPES"]
+           "aggregate_tokens", "sequence_kl", "sequence_ratio", "LOSS_TYPES", "POLICY_LOSSES", "register_policy_loss",
+           "PolicyLossSpec", "PolicyLossFn"]
 
 LOSS_TYPES = ("sequence", "grpo", "token_mean", "dr_grpo")
 
@@ -165,3 +169,72 @@ def sequence_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torc
     if estimator == "k3":
         return torch.where(mask, torch.exp(delta) - delta - 1.0, torch.zeros_like(delta)).sum(dim=1)
     raise ValueError(f"unknown KL estimator {estimator!r}; use 'k1' or 'k3'")
+
+
+# --- policy losses by name ------------------------------------------------------------------------
+
+PolicyLossFn = Callable[..., "tuple[torch.Tensor, Optional[torch.Tensor]]"]
+"""``fn(log_probs, old_log_probs, advantages, mask, spec, denominator) -> (loss, clipped)``:
+``[R, T]`` log-probs (grad), the sampling policy's ``[R, T]`` (None unless the loss was registered
+with ``ratio=True``), ``[R]`` advantages, the ``[R, T]`` scored tokens, the :class:`PolicyLossSpec`
+and the optimizer step's denominator in; the scalar loss and ``[R, T]`` bool, which tokens a clip
+held back (None: no clip), out."""
+
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+
+
+def register_policy_loss(name: str, *, ratio: bool = False, replace: bool = False) -> Callable[[PolicyLossFn],
+                                                                                             PolicyLossFn]:
+    """Register a policy loss as ``name``; ``ratio=True``: it compares against the sampling
+    policy's log-probs (the update phase keeps them for it)."""
+    return POLICY_LOSSES.register(name, ratio=ratio, replace=replace)
+
+
+@dataclass(frozen=True)
+class PolicyLossSpec:
+    """Which policy loss an update takes, built once (from a config) and handed to every backward.
+
+    ``name``: a registered policy loss (:data:`POLICY_LOSSES`: ``"reinforce"``, the loss at ratio 1;
+    ``"clipped"``, PPO's clipped-ratio surrogate); ``loss_type``: how tokens and rows are weighed
+    (one of :data:`LOSS_TYPES`); ``max_new_tokens``: ``dr_grpo``'s constant; ``clip_eps``: the clip
+    range of ``"clipped"`` (None: unclipped).
+    """
+
+    name: str = "reinforce"
+    loss_type: str = "sequence"
+    max_new_tokens: Optional[int] = None
+    clip_eps: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        POLICY_LOSSES.get(self.name)  # refused now, naming the registered ones
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {self.loss_type!r}; use one of {', '.join(LOSS_TYPES)}")
+        if self.loss_type == "dr_grpo" and self.max_new_tokens is None:
+            raise ValueError("loss_type 'dr_grpo' needs max_new_tokens")
+
+    @property
+    def uses_old_log_probs(self) -> bool:
+        """Whether the loss compares against the sampling policy (registered with ``ratio=True``)."""
+        return bool(POLICY_LOSSES.facts(self.name).get("ratio", False))
+
+    def denominator(self, mask: torch.Tensor) -> float:
+        """:func:`loss_denominator` of ``mask``'s rows under this spec."""
+        return loss_denominator(mask, self.loss_type, self.max_new_tokens)
+
+    def __call__(self, log_probs: torch.Tensor, old_log_probs: Optional[torch.Tensor], advantages: torch.Tensor,
+                 mask: torch.Tensor, denominator: Optional[float] = None
+                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        return POLICY_LOSSES.get(self.name)(log_probs, old_log_probs, advantages, mask, self, denominator)
+
+
+@register_policy_loss("reinforce")
+def _reinforce_loss(log_probs, old_log_probs, advantages, mask, spec: PolicyLossSpec, denominator):
+    """:func:`policy_gradient_loss` (the loss at ratio 1)."""
+    return policy_gradient_loss(log_probs, advantages, mask, spec.loss_type, spec.max_new_tokens, denominator), None
+
+
+@register_policy_loss("clipped", ratio=True)
+def _clipped_loss(log_probs, old_log_probs, advantages, mask, spec: PolicyLossSpec, denominator):
+    """:func:`clipped_policy_loss` against the sampling policy's log-probs."""
+    return clipped_policy_loss(log_probs, old_log_probs, advantages, mask, spec.clip_eps, spec.loss_type,
+                               spec.max_new_tokens, denominator=denominator)

@@ -21,18 +21,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 
 from ...engine import distributed as dist
 from ...engine.metrics import record_turns
 from ...engine.state import PlayedBuffer
-from ...engine.step import AgentRows, concat_rollouts, select_rows
+from ...engine.step import AgentRows, concat_rollouts, policy_backward, select_rows
+from ...engine.streams import Stream, stream_rng
 from ...engine.timing import PhaseTimer
 from ...engine.trainer import Trainer
 from ...exceptions import ConfigError
 from ...functional.logprobs import sequence_log_probs
-from ...functional.losses import policy_gradient_loss, sequence_kl
+from ...functional.losses import PolicyLossSpec, sequence_kl
 from ...functional.returns import discounted_returns
 from ...functional.values import group_moments, normalize_advantages, td_targets
 from ...models.actor_critic import CausalLMWithValueHead, unwrap_policy
@@ -94,6 +94,11 @@ class _Losses:
 
     policy: float = 0.0
     value: float = 0.0
+
+
+def _as_given(advantages: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """The advantage function of rows whose ``returns`` are their advantages already."""
+    return advantages
 
 
 class ActorCriticTrainerBase(Trainer):
@@ -192,7 +197,7 @@ class ActorCriticTrainerBase(Trainer):
         prompts, by a permutation drawn from (seed, epoch, first prompt), no global RNG used."""
         if len(indices) <= self._step_prompts():
             return list(indices)
-        permutation = np.random.default_rng([self.args.seed, 7, epoch, indices[0]]).permutation(len(indices))
+        permutation = stream_rng(self.args.seed, Stream.BUFFER_ORDER, epoch, indices[0]).permutation(len(indices))
         return [indices[i] for i in permutation]
 
     def trained_slots(self):
@@ -353,25 +358,22 @@ class ActorCriticTrainerBase(Trainer):
         """Whether the agent's own backward includes a value loss (reported as agent_i/value_loss)."""
         return False
 
+    # CoMLRL's REINFORCE objective: -sum(advantage * sequence log-prob) / denominator
+    loss_spec = PolicyLossSpec("reinforce", "sequence")
+
     def _policy_loss(self, logp: torch.Tensor, piece: AgentRows, denominator: float) -> torch.Tensor:
-        """``-sum(advantage * sequence log-prob) / denominator`` (CoMLRL's REINFORCE objective)."""
+        """:attr:`loss_spec` on the rows' log-probs ``logp`` and their critic advantages."""
         adv = piece.extras["advantages"].to(logp.device)
-        return policy_gradient_loss(logp, adv, piece.rollout.completion_mask, "sequence", denominator=denominator)
+        return self.loss_spec(logp, None, adv, piece.rollout.completion_mask, denominator)[0]
 
     def _agent_backward(self, agent: int, rows: AgentRows, denominator: float) -> _Losses:
-        """Back-propagate agent ``agent``'s loss over ``rows`` (micro-batch by micro-batch)."""
-        policy = self._policies()[agent]
-        policy.eval()  # as during sampling: the gradient must be that of the policy that sampled
-        out = _Losses()
-        for piece in rows.micro_batches(self.args.micro_batch_size):
-            ro = piece.rollout
-            with self.autocast():
-                logp = sequence_log_probs(policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
-                                          self.args.temperature)
-            loss = self._policy_loss(logp, piece, denominator)
-            loss.backward()
-            out.policy += float(loss.detach())
-        return out
+        """Back-propagate agent ``agent``'s loss over ``rows``: the update phase's
+        :func:`~comlrl.engine.step.policy_backward`, with the critic's advantages as given."""
+        given = AgentRows(rows.rollout, rows.extras["advantages"], rows.groups)
+        out = policy_backward(self._policies()[agent], given, _as_given, temperature=self.args.temperature,
+                              denominator=denominator, micro_groups=self.args.micro_batch_size, loss=self.loss_spec,
+                              autocast=self.autocast)
+        return _Losses(policy=out.loss)
 
     def _critic_backward(self, buffer: PlayedBuffer, groups: range) -> list[_Losses]:
         """Back-propagate the losses of critics not trained inside :meth:`_agent_backward`."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ...engine.config import check_bool, check_choice, check_float, check_int, config_class, optional, setting
-from ...engine.settings import Devices, TrainerConfig, _devices
+from ...engine.settings import Devices, TrainerConfig, check_devices
 from ...exceptions import ConfigError
 
 __all__ = ["ActorCriticConfig", "IACConfig", "MAACConfig", "CRITIC_TYPES"]
@@ -46,7 +46,7 @@ class ActorCriticConfig(TrainerConfig):
                                      check_float(lambda v: v >= 0, ">= 0"))
     critic_type: str = setting("v", "'v': the critic values the prompt (state value); 'q': the prompt and the "
                                     "completion (action value).", check_choice(*CRITIC_TYPES))
-    critic_devices: Devices = setting(None, "Devices of the critics; None = the agents' devices.", _devices,
+    critic_devices: Devices = setting(None, "Devices of the critics; None = the agents' devices.", check_devices,
                                       may_change=True)
 
     def _check_generations(self) -> None:

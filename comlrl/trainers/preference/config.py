@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 from ...engine.config import (Config, check_bool, check_choice, check_float, check_int, check_str, config_class,
                               optional, setting)
-from ...engine.settings import Devices, TrainerConfig, _devices
+from ...engine.settings import Devices, TrainerConfig, check_devices
 from ...exceptions import ConfigError
 from .comparators import HTTP_EXTRA
 
@@ -111,7 +111,7 @@ class MARLHFConfig(MADPOConfig):
                                                optional(check_str))
     critic_learning_rate: Optional[float] = setting(None, "Critic learning rate (None: agent_learning_rate).",
                                                     optional(_positive))
-    critic_devices: Devices = setting(None, "Devices of the critics (maac / iac).", _devices, may_change=True)
+    critic_devices: Devices = setting(None, "Devices of the critics (maac / iac).", check_devices, may_change=True)
     use_separate_critic: bool = setting(True, "iac: a separate critic per agent (else a value head).", check_bool)
     critic_type: str = setting("v", "Critic of maac / iac: 'v' or 'q'.", check_choice("v", "q"))
     value_loss_coef: float = setting(0.6, "Weight of the critics' value loss (maac / iac).", _positive)
@@ -208,7 +208,7 @@ class _IterativeFields(Config):
                                                    optional(check_str))
     comparator_agents: Optional[Sequence[str]] = setting(None, "comparator_policy='model': one model name per agent.",
                                                          None)
-    comparator_devices: Devices = setting(None, "Devices of comparator models (None: the agents').", _devices,
+    comparator_devices: Devices = setting(None, "Devices of comparator models (None: the agents').", check_devices,
                                           may_change=True)
     comparator_num_candidates: Optional[int] = setting(None, "Comparator candidates per prompt (None: "
                                                              "preference_num_candidates).", optional(check_int(1)))

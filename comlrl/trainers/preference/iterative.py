@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ...engine import distributed as dist
+from ...engine.streams import Stream, stream_rng
 from ...engine.timing import PhaseTimer
 from ..._imports import install_hint
 from ..._io import own_dir, refuse_link, temp_sibling
@@ -178,14 +179,14 @@ class _Iterative:
     def _write_snapshot(self, target: Path) -> dict[str, str]:
         """Write the snapshot (replacing only one this run wrote) and return its files' hashes."""
         from ...checkpoint.export import export_record
-        from ...engine.persistence import _write_agents
+        from ...engine.persistence import write_agents
 
         record = export_record(target) if target.is_dir() else None
         if record is not None and record["run_id"] != self.run_id:
             raise CheckpointError(f"{target} holds another run's policy snapshot (run {record['run_id']}); it is never "
                                   "replaced. Set policy_checkpoint_dir to another folder.")
         own_dir(target.parent, "the policy snapshot folder", CheckpointDirError)
-        _write_agents(target, self._exported(), False, self.run_id)
+        write_agents(target, self._exported(), False, self.run_id)
         return tree_hashes(target)
 
     def _history_models(self) -> tuple[list[Any], list[Any]]:
@@ -316,7 +317,7 @@ class _Iterative:
     def _comparison_pairs(self, turn: Any, group: int, index: int, ours: _Candidates, theirs: _Candidates
                           ) -> list[PreferencePair]:
         a = self.args
-        rng = np.random.default_rng([a.seed, 11, self._set_id, index])
+        rng = stream_rng(a.seed, Stream.PREFERENCE_PAIRS, self._set_id, index)
         chosen = select_comparison_pairs(ours.rewards, theirs.rewards, a.pair_selection, a.preference_pairs_per_sample,
                                          rng)
         k = len(ours.rewards)
@@ -363,7 +364,7 @@ class _Iterative:
                 if a.preference_replay_mode == "lambda_decay" else [1.0] * len(shards)
             size = a.preference_replay_sample_size or len(pairs) or next(
                 (len(s) for _, s in reversed(self._replay) if len(s)), 0)
-            rng = np.random.default_rng([a.seed, 19, number])
+            rng = stream_rng(a.seed, Stream.REPLAY, number)
             chosen = [shards[s][1].pairs[i] for s, i in replay_draws([len(s) for _, s in shards], weights, size, rng)]
         self._log_distribution(chosen)
         self._iteration_metrics = {"iter/current_iteration": float(number), "iter/current_preference_pairs": float(len(pairs)),

@@ -26,6 +26,7 @@ import torch
 
 from ...engine import distributed as dist
 from ...engine.metrics import episode_metrics, merge_records
+from ...engine.streams import Stream, stream_rng
 from ...engine.timing import PhaseTimer
 from ...engine.trainer import Trainer
 from ...exceptions import ConfigError
@@ -165,7 +166,7 @@ class MADPOTrainer(Trainer):
     def epoch_order(self, epoch: int) -> list[int]:
         """The pairs in a seeded order of (seed, pair set, epoch)."""
         count = len(self._pair_set) if self._pair_set is not None else 0
-        return np.random.default_rng([self.args.seed, 13, self._set_id, epoch]).permutation(count).tolist()
+        return stream_rng(self.args.seed, Stream.PAIR_ORDER, self._set_id, epoch).permutation(count).tolist()
 
     def _total_steps(self) -> Optional[int]:
         if self._pair_set is None:
@@ -196,7 +197,7 @@ class MADPOTrainer(Trainer):
         random state is restored afterwards: training after this call is exactly as without it.
         Under torchrun every process must call it; each returns every pair.
         """
-        from ...engine.evaluation import _restored_rng
+        from ...engine.evaluation import restored_rng
         from ...engine.prompts import PromptTable
 
         self._check_open()
@@ -208,7 +209,7 @@ class MADPOTrainer(Trainer):
         saved = self._set_id
         self._set_id = _HELD_OUT_SET
         try:
-            with _restored_rng():
+            with restored_rng():
                 pairs, _ = MADPOTrainer._generate_pairs(self, PhaseTimer(), table)
         finally:
             self._set_id = saved
@@ -241,7 +242,7 @@ class MADPOTrainer(Trainer):
     def _pairs_of_prompt(self, turn: Any, group: int, index: int, k: int) -> list[PreferencePair]:
         """The pairs of one prompt's k joint candidates (rows group*k .. group*k + k - 1)."""
         rewards = turn.rewards[group * k:(group + 1) * k].tolist()
-        rng = np.random.default_rng([self.args.seed, 11, self._set_id, index])
+        rng = stream_rng(self.args.seed, Stream.PREFERENCE_PAIRS, self._set_id, index)
         mode = self.args.pair_selection  # an iterative config's comparison-only mode: by reward gap here
         chosen = select_pairs(rewards, "reward_gap" if mode == "comparator_reward" else mode,
                               self.args.preference_pairs_per_sample, rng)

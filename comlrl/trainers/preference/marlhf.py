@@ -23,9 +23,10 @@ import numpy as np
 import torch
 
 from ...engine import distributed as dist
+from ...engine.streams import Stream, stream_rng
 from ...engine.timing import PhaseTimer
 from ...exceptions import ConfigError
-from ...functional.logprobs import _plain_head
+from ...functional.logprobs import plain_head
 from ...functional.preference import bradley_terry_loss
 from ...models.actor_critic import unwrap_policy
 from ...rollout import left_pad
@@ -68,7 +69,7 @@ class JointRewardModel(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """``[B]`` rewards of ``[B, L]`` token rows."""
-        plain = _plain_head(self.backbone)
+        plain = plain_head(self.backbone)
         if plain is not None:  # hidden states without the language-model head
             positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
             hidden = plain[0](input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
@@ -284,7 +285,7 @@ class MARLHFTrainer(MADPOTrainer):
         size = a.reward_train_batch_size
         for epoch in range(a.reward_num_train_epochs):
             timer = PhaseTimer(self.device)
-            order = np.random.default_rng([a.seed, 17, self._set_id, epoch]).permutation(len(pairs)).tolist()
+            order = stream_rng(a.seed, Stream.REWARD_MODEL_ORDER, self._set_id, epoch).permutation(len(pairs)).tolist()
             losses, correct = [], 0.0
             with timer("reward_model"):
                 for start in range(0, len(order), size):

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ...engine.config import check_choice, check_float, check_int, config_class, optional, resumable_fields, setting
+from ...engine.config import (check_choice, check_float, check_int, check_registered, config_class, optional,
+                              resumable_fields, setting)
 from ...engine.settings import TrainerConfig
 from ...exceptions import ConfigError
+from ...functional.advantages import ADVANTAGE_ESTIMATORS
 
 __all__ = ["MAGRPOConfig", "MAREINFORCEConfig", "MARLOOConfig", "MAReMaxConfig", "CentralizedMAGRPOConfig",
            "ADVANTAGE_MODES", "JOINT_MODES", "LOSS_TYPES", "RESUMABLE_FIELDS"]
 
-ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")
+ADVANTAGE_MODES = ("mean", "raw", "max", "rloo")  # comlrl's own; advantage_mode takes any registered estimator
 JOINT_MODES = ("aligned", "cross")
 LOSS_TYPES = ("sequence", "grpo", "token_mean", "dr_grpo")
 
@@ -29,7 +31,7 @@ class MAGRPOConfig(TrainerConfig):
                                          "'cross': every combination (K**num_agents per node).",
                               check_choice(*JOINT_MODES, aliases={"align": "aligned", "crossed": "cross"}))
     advantage_mode: str = setting("mean", "Baseline: 'mean' (group mean), 'raw' (none), 'max' (group max), "
-                                          "'rloo' (mean of the other samples).", check_choice(*ADVANTAGE_MODES))
+                                          "'rloo' (mean of the other samples).", check_registered(ADVANTAGE_ESTIMATORS))
     loss_type: str = setting("sequence", "'sequence': -A * sum of the completion's token log-probs, mean over "
                                          "completions (CoMLRL's REINFORCE objective); 'grpo': token mean per "
                                          "completion; 'token_mean': mean over all tokens; 'dr_grpo': sum / "
@@ -64,7 +66,8 @@ class MAGRPOConfig(TrainerConfig):
 class MAREINFORCEConfig(MAGRPOConfig):
     """MAGRPO without a baseline: the advantage is the return (multi-agent REINFORCE)."""
 
-    advantage_mode: str = setting("raw", "Baseline: 'raw' (none) for MAREINFORCE.", check_choice(*ADVANTAGE_MODES))
+    advantage_mode: str = setting("raw", "Baseline: 'raw' (none) for MAREINFORCE.",
+                                  check_registered(ADVANTAGE_ESTIMATORS))
 
 
 @config_class
@@ -72,7 +75,7 @@ class MARLOOConfig(MAGRPOConfig):
     """MAGRPO with the leave-one-out baseline: the mean return of the group's other samples."""
 
     advantage_mode: str = setting("rloo", "Baseline: 'rloo' (mean of the others) for MARLOO.",
-                                  check_choice(*ADVANTAGE_MODES))
+                                  check_registered(ADVANTAGE_ESTIMATORS))
 
 
 @config_class
@@ -80,7 +83,7 @@ class MAReMaxConfig(MAGRPOConfig):
     """MAGRPO with the group's best return as baseline (ReMax-style; advantages <= 0)."""
 
     advantage_mode: str = setting("max", "Baseline: 'max' (the group's best) for MAReMax.",
-                                  check_choice(*ADVANTAGE_MODES))
+                                  check_registered(ADVANTAGE_ESTIMATORS))
 
 
 @config_class

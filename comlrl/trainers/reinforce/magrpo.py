@@ -28,6 +28,7 @@ from ...engine.trainer import Trainer
 from ...exceptions import ConfigError
 from ...functional.advantages import group_advantages
 from ...functional.joint import cross_returns
+from ...functional.losses import PolicyLossSpec
 from ...functional.returns import discounted_returns, tree_size
 from .config import MAGRPOConfig
 
@@ -86,6 +87,7 @@ class MAGRPOTrainer(Trainer):
         if self.args.advantage_mode != type(self).config_class().advantage_mode:
             logger.info("comlrl: %s trains with advantage_mode=%r from its config.", type(self).__name__,
                         self.args.advantage_mode)
+        self.loss_spec = self.policy_loss_spec()
         joint = self._joint_per_node()
         nodes, total = tree_size(self.args.num_turns, joint)
         if total > self.args.max_joint_actions:
@@ -97,6 +99,14 @@ class MAGRPOTrainer(Trainer):
 
     def _accepted_config(self) -> type:
         return MAGRPOConfig
+
+    def policy_loss_spec(self) -> PolicyLossSpec:
+        """The policy loss of every update of the run (built once, when the trainer is): the
+        clipped-ratio loss when the config uses ratios (``ppo_clip_eps`` or several update epochs),
+        else the loss at ratio 1; a subclass returns another registered loss here."""
+        args = self.args
+        return PolicyLossSpec("clipped" if args.ratio_loss else "reinforce", args.loss_type, args.max_new_tokens,
+                              args.ppo_clip_eps)
 
     def _joint_per_node(self) -> int:
         k, n = self.args.num_generations, self.num_agents
@@ -202,11 +212,12 @@ class MAGRPOTrainer(Trainer):
         """Back-propagate agent ``agent``'s loss on the prompts ``groups``; ``weights`` (``[R]``,
         one per row) multiply its advantages. None when this process has no rows. Every process
         calls it (its collectives: the loss denominator; with sharded agents, every pass)."""
-        args = self.args
-        if args.ratio_loss:  # on every process, rows or not: a later step of the buffer may have some
+        args, spec = self.args, self.loss_spec
+        ratio = spec.uses_old_log_probs
+        if ratio:  # on every process, rows or not: a later step of the buffer may have some
             self._keep_old_log_probs(buffer, agent)
         rows = self.agent_rows(buffer, agent, groups)
-        denominator = step_denominator(rows, args.loss_type, args.max_new_tokens, self.dist)
+        denominator = step_denominator(rows, spec.loss_type, spec.max_new_tokens, self.dist)
         passes = collective_passes(rows, args.micro_batch_size, self.dist, self.sharded)
         reference = self.reference_log_probs(agent) if args.reference_kl_enabled else None
         if rows is None:
@@ -214,15 +225,14 @@ class MAGRPOTrainer(Trainer):
             return None
         key = (agent, groups.start)
         old = buffer.data.setdefault("old_log_probs", {}).get(key)
-        if args.ratio_loss and old is not None:
+        if ratio and old is not None:
             rows.extras[OLD_LOG_PROBS] = old
         if weights is not None:
             rows.extras[ADVANTAGE_WEIGHTS] = weights
         out = policy_backward(
-            self.agents[agent], rows, self.advantages, temperature=args.temperature, loss_type=args.loss_type,
-            max_new_tokens=args.max_new_tokens, denominator=denominator, micro_groups=args.micro_batch_size,
-            reference=reference, kl_coef=args.reference_kl_coef, autocast=self.autocast, clip_eps=args.ppo_clip_eps,
-            ratio_loss=args.ratio_loss, keep_log_probs=args.ratio_loss and old is None, passes=passes)
+            self.agents[agent], rows, self.advantages, temperature=args.temperature, denominator=denominator,
+            micro_groups=args.micro_batch_size, loss=spec, reference=reference, kl_coef=args.reference_kl_coef,
+            autocast=self.autocast, keep_log_probs=ratio and old is None, passes=passes)
         if out.log_probs is not None:  # this step's first update: its forward was the sampling policy's
             buffer.data["old_log_probs"][key] = out.log_probs
         return out

@@ -30,12 +30,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from ...engine.config import check_choice, check_float, config_class, setting
 from ...engine.state import PlayedBuffer
 from ...engine.step import collective_passes, idle_passes, rows_log_probs
+from ...engine.streams import Stream, stream_rng
 from ...exceptions import ConfigError
 from ...functional.losses import sequence_ratio
 from .config import JOINT_MODES, MAGRPOConfig
@@ -76,7 +76,7 @@ class MAHAGRPOTrainer(MAGRPOTrainer):
     def update_order(self) -> list[int]:
         """The agents in the order this optimizer step updates them (seeded by the run's seed and
         the step number, so a resumed run draws the same orders)."""
-        rng = np.random.default_rng([self.args.seed, self.state.global_step, 0x4A50])
+        rng = stream_rng(self.args.seed, Stream.UPDATE_ORDER, self.state.global_step)
         return [int(a) for a in rng.permutation(len(self.agents))]
 
     def optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
