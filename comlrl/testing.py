@@ -274,21 +274,32 @@ def qwen2_model_dir(shape: Optional[dict] = None, vocab: str = "tiny", seed: int
 # --- a small model that writes the generated task's code ------------------------------------------
 
 # Bumped whenever what code_model_dir builds changes (corpus, shape, training): the cache key.
-_CODE_MODEL_VERSION = 3
+_CODE_MODEL_VERSION = 4
 CODE_MODEL_SHAPE = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
 
 
-def code_sft_corpus(seed: int = 0, rows_per_composition: int = 4) -> list[tuple[str, str]]:
+# The first this many train problems of generated_split() are left out of the fine-tuning corpus:
+# they are what examples/code_collab.py trains MAGRPO on (problems the warm model has not seen,
+# like the held-out ones, so RL has something to learn that carries over to them).
+CODE_RL_PROBLEMS = 64
+
+
+def code_sft_corpus(seed: int = 0, rows_per_composition: int = 4, rl_problems: int = CODE_RL_PROBLEMS
+                    ) -> list[tuple[str, str]]:
     """``(prompt, completion)`` pairs the code model is fine-tuned on: for every train row of
-    :func:`comlrl.tasks.code.generated_split` (never an eval composition), the helper's prompt with
-    the reference ``aux`` and the main function's prompt with the reference entry point, as the
-    trainer will prompt them (``helper_formatter`` / ``main_formatter``)."""
+    :func:`comlrl.tasks.code.generated_split` (never an eval composition) but the first
+    ``rl_problems`` compositions (left for RL), the helper's prompt with the reference ``aux`` and
+    the main function's prompt with the reference entry point, as the trainer will prompt them
+    (``helper_formatter`` / ``main_formatter``)."""
     from .tasks.code import generated_split, helper_formatter, main_formatter
 
+    left = set(generated_split(seed=seed)[0]["composition"][:rl_problems])
     train, _ = generated_split(seed=seed, rows_per_composition=rows_per_composition)
     pairs = []
     for row in train:
+        if row["composition"] in left:
+            continue
         pairs.append((helper_formatter(row), row["aux_solution"]))
         pairs.append((main_formatter(row), row["main_solution"]))
     return pairs
