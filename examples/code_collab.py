@@ -5,7 +5,7 @@ calls it; the code-collaboration reward runs each joint program's unit tests in 
     python examples/code_collab.py --turns 2                       # turn 2 sees the failing tests
     python examples/code_collab.py --task humaneval --model Qwen/Qwen2.5-Coder-1.5B-Instruct --epochs 4
 
-By default the agents are the small code model of comlrl.testing.code_model_dir() (a 395k-parameter
+By default the agents are the small code model of comlrl.testing.code_model_dir() (a 389k-parameter
 Qwen2 fine-tuned offline on the train split of the generated task; built on first use, a few
 minutes on 2 CPU cores, then cached) and the task is comlrl.tasks.code.generated_split(): two-step
 problems (a helper's step, then the main function's) whose eval problems are compositions the
