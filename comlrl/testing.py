@@ -274,29 +274,40 @@ def qwen2_model_dir(shape: Optional[dict] = None, vocab: str = "tiny", seed: int
 # --- a small model that writes the generated task's code ------------------------------------------
 
 # Bumped whenever what code_model_dir builds changes (corpus, shape, training): the cache key.
-_CODE_MODEL_VERSION = 1
+_CODE_MODEL_VERSION = 4
 CODE_MODEL_SHAPE = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
 
 
-def code_sft_corpus(seed: int = 0, rows_per_composition: int = 4) -> list[tuple[str, str]]:
+# The first this many train problems of generated_split() are left out of the fine-tuning corpus:
+# they are what examples/code_collab.py trains MAGRPO on (problems the warm model has not seen,
+# like the held-out ones, so RL has something to learn that carries over to them).
+CODE_RL_PROBLEMS = 64
+
+
+def code_sft_corpus(seed: int = 0, rows_per_composition: int = 4, rl_problems: int = CODE_RL_PROBLEMS
+                    ) -> list[tuple[str, str]]:
     """``(prompt, completion)`` pairs the code model is fine-tuned on: for every train row of
-    :func:`comlrl.tasks.code.generated_split` (never an eval composition), the helper's prompt with
-    the reference ``aux`` and the main function's prompt with the reference entry point, as the
-    trainer will prompt them (``helper_formatter`` / ``main_formatter``)."""
+    :func:`comlrl.tasks.code.generated_split` (never an eval composition) but the first
+    ``rl_problems`` compositions (left for RL), the helper's prompt with the reference ``aux`` and
+    the main function's prompt with the reference entry point, as the trainer will prompt them
+    (``helper_formatter`` / ``main_formatter``)."""
     from .tasks.code import generated_split, helper_formatter, main_formatter
 
+    left = set(generated_split(seed=seed)[0]["composition"][:rl_problems])
     train, _ = generated_split(seed=seed, rows_per_composition=rows_per_composition)
     pairs = []
     for row in train:
+        if row["composition"] in left:
+            continue
         pairs.append((helper_formatter(row), row["aux_solution"]))
         pairs.append((main_formatter(row), row["main_solution"]))
     return pairs
 
 
-def build_code_model(steps: int = 300, seed: int = 0, batch_size: int = 16, learning_rate: float = 3e-3,
+def build_code_model(steps: int = 600, seed: int = 0, batch_size: int = 16, learning_rate: float = 3e-3,
                      vocab_size: int = 1024, log_every: int = 0):
-    """``(model, tokenizer)``: a Qwen2 of :data:`CODE_MODEL_SHAPE` (395k parameters) and a
+    """``(model, tokenizer)``: a Qwen2 of :data:`CODE_MODEL_SHAPE` (389k parameters) and a
     byte-level BPE tokenizer trained on :func:`code_sft_corpus`, then fine-tuned on it for
     ``steps`` AdamW steps (loss on the completions and their EOS only: with the prompts' tokens in
     the loss, 300 steps learnt the prompts and wrote no working code; plain torch loop, seeded,
@@ -304,24 +315,37 @@ def build_code_model(steps: int = 300, seed: int = 0, batch_size: int = 16, lear
     the task's format but is often wrong on held-out problems, so RL has work to do."""
     import random
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    import tempfile
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     pairs = code_sft_corpus(seed)
     backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Qwen2's own split: AutoTokenizer loads a qwen2 model's tokenizer as Qwen2Tokenizer, which
+    # applies this pre-tokenizer whatever the saved one is (with another split at build time the
+    # model was trained on ids it never sees loaded: held-out pass@1 0.021 where the build's own tokenizer gave 0.25).
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     backend.train_from_iterator([p + c for p, c in pairs] + _CORPUS.splitlines(), trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS)
-    eos = tokenizer.convert_tokens_to_ids(EOS)
+    built = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, pad_token=EOS)
+    eos = built.convert_tokens_to_ids(EOS)
+    config = Qwen2Config(**CODE_MODEL_SHAPE, vocab_size=len(built), eos_token_id=eos, bos_token_id=eos,
+                         pad_token_id=eos)
+    # Train on the ids the saved model's users get: the tokenizer as AutoTokenizer loads it.
+    with tempfile.TemporaryDirectory(prefix="code-tokenizer-") as tmp:
+        built.save_pretrained(tmp)
+        config.save_pretrained(tmp)
+        tokenizer = AutoTokenizer.from_pretrained(tmp)
     prompts = tokenizer([p for p, _ in pairs], add_special_tokens=False)["input_ids"]
     answers = tokenizer([c for _, c in pairs], add_special_tokens=False)["input_ids"]
     examples = [(p + a + [eos], len(p)) for p, a in zip(prompts, answers)]
 
-    config = Qwen2Config(**CODE_MODEL_SHAPE, vocab_size=len(tokenizer), eos_token_id=eos, bos_token_id=eos,
-                         pad_token_id=eos)
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -360,7 +384,7 @@ def build_code_model(steps: int = 300, seed: int = 0, batch_size: int = 16, lear
     return model, tokenizer
 
 
-def code_model_dir(steps: int = 300, seed: int = 0, cache_dir: Optional[str | os.PathLike] = None,
+def code_model_dir(steps: int = 600, seed: int = 0, cache_dir: Optional[str | os.PathLike] = None,
                    log_every: int = 0) -> Path:
     """Path of the small code model (:func:`build_code_model`), building it on first use (a few
     minutes on 2 CPU cores) into the cache (``$COMLRL_CACHE`` or ``~/.cache/comlrl``)."""

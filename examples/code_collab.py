@@ -5,7 +5,7 @@ calls it; the code-collaboration reward runs each joint program's unit tests in 
     python examples/code_collab.py --turns 2                       # turn 2 sees the failing tests
     python examples/code_collab.py --task humaneval --model Qwen/Qwen2.5-Coder-1.5B-Instruct --epochs 4
 
-By default the agents are the small code model of comlrl.testing.code_model_dir() (a 395k-parameter
+By default the agents are the small code model of comlrl.testing.code_model_dir() (a 389k-parameter
 Qwen2 fine-tuned offline on the train split of the generated task; built on first use, a few
 minutes on 2 CPU cores, then cached) and the task is comlrl.tasks.code.generated_split(): two-step
 problems (a helper's step, then the main function's) whose eval problems are compositions the
@@ -89,6 +89,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=16, help="evaluate before every this many train problems")
     parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 for the small model, 5e-6 otherwise")
     parser.add_argument("--max-new-tokens", type=int, default=None)
+    parser.add_argument("--num-generations", type=int, default=4, help="joint answers per problem (the GRPO group)")
+    parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (training and eval)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output-dir", "--out", dest="output_dir", default=None,
                         help="metrics.jsonl and the plot (default: a temporary folder)")
@@ -109,7 +111,8 @@ def main() -> None:
             external_transition=test_feedback_transition(sandbox) if args.turns > 1 else None,
             train_dataset=train, eval_dataset=evals,
             eval_logger=code_eval_logger(sandbox), eval_aggregator=pass_at_k_aggregator(ks=(1,)),
-            args=MAGRPOConfig(num_turns=args.turns, num_train_epochs=args.epochs, num_generations=4,
+            args=MAGRPOConfig(num_turns=args.turns, num_train_epochs=args.epochs, num_generations=args.num_generations,
+                              temperature=args.temperature,
                               max_new_tokens=args.max_new_tokens or (48 if small else 256),
                               agent_learning_rate=args.lr or (1e-4 if small else 5e-6), max_grad_norm=1.0,
                               logging_steps=1,

@@ -3,7 +3,7 @@ it: build time (wall and CPU seconds: CPU is what a loaded machine cannot inflat
 the warm model's pass@1 on the generated task's held-out problems, measured as
 examples/code_collab.py measures it (MAGRPOTrainer.evaluate with the code task's eval hooks).
 
-    python scripts/build_code_model.py [--steps 300] [--seed 0] [--cache-dir DIR] [--no-eval]
+    python scripts/build_code_model.py [--steps 600] [--seed 0] [--cache-dir DIR] [--no-eval]
 """
 
 import argparse
@@ -15,7 +15,7 @@ import time
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--no-eval", action="store_true")

@@ -76,7 +76,7 @@ def test_split_shares_no_composition_and_no_problem():
     train, evals = generated_split(eval_size=20, seed=1, rows_per_composition=3)
     assert len(evals) == 20 and len(train) > 250
     assert not set(train["composition"]) & set(evals["composition"])
-    assert not set(train["entry_point"]) & set(evals["entry_point"])
+    assert set(train["entry_point"]) == set(evals["entry_point"]) == {"solve"}   # the docstring tells them apart
     assert not set(train["prompt"]) & set(evals["prompt"])
     again = generated_split(eval_size=20, seed=1, rows_per_composition=3)
     assert again[1]["task_id"] == evals["task_id"] and again[0]["task_id"] == train["task_id"]

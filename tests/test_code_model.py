@@ -17,10 +17,13 @@ pytestmark = pytest.mark.xdist_group("code_model")
 def test_the_corpus_holds_train_problems_only():
     pairs = testing.code_sft_corpus()
     train, evals = generated_split()
-    assert len(pairs) > 2 * len(train)   # several rows per train composition, two roles each
-    held = set(evals["entry_point"])
-    assert not [p for p, _ in pairs if any(f"def {name}(" in p for name in held)]
-    assert {c for _, c in pairs} >= {train[0]["aux_solution"], train[0]["main_solution"]}
+    rl = train.select(range(testing.CODE_RL_PROBLEMS))
+    sft = train.select(range(testing.CODE_RL_PROBLEMS, len(train)))
+    assert len(pairs) > 2 * len(sft)   # several rows per fine-tuned composition, two roles each
+    for unseen in (evals, rl):         # held-out problems, and those left for RL
+        docs = {r["prompt"].split('"""')[1].splitlines()[0] for r in unseen}
+        assert not [p for p, _ in pairs if p.split('"""')[1].splitlines()[0] in docs]
+    assert {c for _, c in pairs} >= {sft[0]["aux_solution"], sft[0]["main_solution"]}
 
 
 def test_build_is_deterministic_cached_and_loadable(tmp_path, monkeypatch):
@@ -41,10 +44,9 @@ def test_build_is_deterministic_cached_and_loadable(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_warm_model_writes_the_task_s_code(tmp_path):
-    """The warm model answers held-out problems in the task's shape (aux defined, the entry point
-    defined and calling it, the program parsing): eval reward 0.49 of 4.0 measured (a random
-    model: 0.0), pass@1 0.021 (1 of 48; issue 28 asks for 5-50%, not reached yet). The model is
-    built once into the cache."""
+    """The warm model answers held-out problems in the task's shape and passes some but not most:
+    pass@1 0.125 measured (scripts/build_code_model.py; issue 28 asks for 5-50%). The model is built once into the
+    cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from comlrl.sandbox import Sandbox
@@ -64,7 +66,7 @@ def test_the_warm_model_writes_the_task_s_code(tmp_path):
                                                   eval_batch_size=16, output_dir=str(tmp_path)))
         metrics = trainer.evaluate()
         trainer.close()
-    assert metrics["eval/reward_mean"] >= 0.3 and metrics["eval/pass@1"] <= 0.5, metrics
+    assert metrics["eval/reward_mean"] >= 1.0 and 0.05 <= metrics["eval/pass@1"] <= 0.5, metrics
 
 
 @pytest.mark.slow

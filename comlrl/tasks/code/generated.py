@@ -24,7 +24,11 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["generated_rows", "generated_split", "GENERATED_COLUMNS", "compositions"]
+__all__ = ["generated_rows", "generated_split", "GENERATED_COLUMNS", "ENTRY_POINT", "compositions"]
+
+# Every problem's entry point: what tells problems apart is the docstring, so a small model does
+# not have to copy a long made-up name (``count_a_to_o``) from the prompt to score at all.
+ENTRY_POINT = "solve"
 
 GENERATED_COLUMNS = ("task_id", "prompt", "entry_point", "test", "canonical_solution", "aux_solution",
                      "main_solution", "composition")
@@ -132,6 +136,7 @@ class _Composition:
 
     @property
     def name(self) -> str:
+        """A readable name for the task id (the entry point itself is :data:`ENTRY_POINT`)."""
         return f"{self.second.name}_of_{self.first.name}" if self.kind == "list" else \
             f"{self.second.name}_{self.first.name}"
 
@@ -177,16 +182,16 @@ def _row(comp: _Composition, rng: random.Random, tests: int, index: int) -> dict
     arg, hint, out_hint = ("numbers", "list", "int") if comp.kind == "list" else \
         ("text", "str", "str" if comp.second.key in ("head", "tail") else "int")
     words = f"{comp.first.words[0].upper()}{comp.first.words[1:]}, then {comp.second.words}."
-    prompt = (f"def {comp.name}({arg}: {hint}) -> {out_hint}:\n"
+    prompt = (f"def {ENTRY_POINT}({arg}: {hint}) -> {out_hint}:\n"
               f'    """{words}\n'
-              f"    >>> {comp.name}({example!r})\n"
+              f"    >>> {ENTRY_POINT}({example!r})\n"
               f"    {comp.answer(example)!r}\n"
               f'    """\n')
     aux = f"def aux({arg}):\n    return {comp.first.code}\n"
-    main = f"def {comp.name}({arg}):\n    values = aux({arg})\n    return {comp.second.code}\n"
+    main = f"def {ENTRY_POINT}({arg}):\n    values = aux({arg})\n    return {comp.second.code}\n"
     body = f"    values = {comp.first.code}\n    return {comp.second.code}\n"
     test = "def check(candidate):\n" + "".join(f"    assert candidate({v!r}) == {comp.answer(v)!r}\n" for v in cases)
-    return {"task_id": f"Generated/{comp.name}/{index}", "prompt": prompt, "entry_point": comp.name, "test": test,
+    return {"task_id": f"Generated/{comp.name}/{index}", "prompt": prompt, "entry_point": ENTRY_POINT, "test": test,
             "canonical_solution": body, "aux_solution": aux, "main_solution": main, "composition": comp.key}
 
 
