@@ -275,3 +275,75 @@ def test_rotary_tables_built_step_by_step_when_large_give_the_same_steps(monkeyp
     reference, step_by_step = reference_and_fast_logits(model)
     assert torch.equal(up_front, step_by_step)
     torch.testing.assert_close(step_by_step, reference, rtol=1e-4, atol=1e-4)
+
+
+def lora_agents(kind="qwen2-gqa", targets=("q_proj", "v_proj", "o_proj", "gate_proj", "down_proj")):
+    """Two comlrl LoRA agents on one small base, with non-zero B (peft starts B at 0, a no-op) that
+    differs per agent, and one adapter over only some projections (the rest read as their base)."""
+    from peft import LoraConfig
+
+    from comlrl.adapters import build_lora_agents
+
+    torch.manual_seed(3)
+    agents = build_lora_agents(MODELS[kind](), LoraConfig(r=4, lora_alpha=8, target_modules=list(targets),
+                                                          lora_dropout=0.0), 2)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(4)
+        for agent in agents:
+            for name, p in agent.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    agents[0].shared.eval()
+    return agents
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_lora_agents_take_the_lean_step_and_equal_the_peft_forward(fuse, monkeypatch):
+    """The steps add each adapter as peft does (unfused) or merged into the fused copy (fused): the
+    same function, so logits agree to float32 rounding of products of this size (~1e-6)."""
+    from comlrl.rollout.transformers_loop import explain_decoder
+
+    agents = lora_agents()
+    base_before = {k: v.clone() for k, v in agents[0].get_base_model().state_dict().items()}
+    for agent in agents:
+        assert fast_decode.supports_static_decoding(agent) is None and explain_decoder(agent) is None
+        ref, got = reference_and_fast_logits(agent, fuse=fuse, monkeypatch=monkeypatch)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # the adapters matter (a decoder that skipped them would fail above) and nothing was merged in place
+    ref_0, _ = reference_and_fast_logits(agents[0], fuse=fuse, monkeypatch=monkeypatch)
+    ref_1, _ = reference_and_fast_logits(agents[1], fuse=fuse, monkeypatch=monkeypatch)
+    assert (ref_0 - ref_1).abs().max() > 1e-2
+    for k, v in agents[0].get_base_model().state_dict().items():
+        assert torch.equal(v, base_before[k]), k
+
+
+def test_stacked_lora_agents_equal_each_agent_alone():
+    agents = lora_agents()
+    assert fast_decode.stackable(agents)
+    ids, mask = left_pad(PROMPTS, 0)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    tokens = torch.randint(3, 300, (len(PROMPTS), 6), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        caches = [[_output_cache(a(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                                   logits_to_keep=1)) for a in agents] for _ in range(2)]
+        stacked = fast_decode.StackedDecoder(agents, caches[0], [mask, mask], [positions[:, -1] + 1] * 2, 6)
+        singles = [fast_decode.StaticDecoder(a, c, mask, positions[:, -1] + 1, 6) for a, c in zip(agents, caches[1])]
+        for t in range(6):
+            both = stacked.step(torch.stack([tokens[:, t]] * 2))
+            for a in range(2):
+                torch.testing.assert_close(both[a], singles[a].step(tokens[:, t]), rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_the_lean_step_cannot_compute_keep_the_transformers_forward():
+    """DoRA (a per-column magnitude the steps do not apply) and merged adapters (the base weight
+    already holds the update) are refused rather than computed wrongly."""
+    from peft import LoraConfig
+
+    from comlrl.adapters import build_lora_agents
+
+    dora = build_lora_agents(MODELS["qwen2-gqa"](), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True), 1)
+    assert fast_decode.supports_static_decoding(dora[0]) is not None
+    agent = lora_agents()[0]
+    agent.activate()
+    agent.shared.merge_adapter()
+    assert fast_decode.supports_static_decoding(agent) is not None

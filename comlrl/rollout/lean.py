@@ -8,8 +8,11 @@ operations in the same order: RMSNorm in float32, rotary embedding, scaled-dot-p
 over the cache, SiLU MLP, residuals) directly on the model's own parameter tensors (no copies)
 with a pre-allocated key/value cache, so a step is a fixed short list of tensor operations.
 
-Scope: plain (not PEFT-wrapped) ``transformers`` models of type ``qwen2``, ``llama`` or ``mistral``
-with full attention, SiLU MLP and a non-dynamic rotary embedding. The prompt is still encoded by the
+Scope: ``transformers`` models of type ``qwen2``, ``llama`` or ``mistral`` with full attention, SiLU
+MLP and a non-dynamic rotary embedding, plain or as comlrl's LoRA agents (:class:`comlrl.adapters.AdapterAgent`:
+vanilla LoRA on any of the projections, computed as peft does, ``base(x) + B(A(x)) * scaling``, or, for
+layers small enough to fuse, as one product with ``W + scaling * B @ A`` in a fused copy built for each
+rollout; the module's own weights are never modified). The prompt is still encoded by the
 model's own forward (so every masking rule of the prefill is transformers'); only the one-token
 steps run here. Every model is checked once per process: the first step is computed both ways and
 must agree within float tolerance, else the rollout falls back to the transformers loop (with a
@@ -35,8 +38,74 @@ _STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 _VERIFIED: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
 
 
+def _plain_view(model: torch.nn.Module) -> tuple[Optional[torch.nn.Module], Optional[str]]:
+    """The transformers model whose modules the steps read, and the LoRA adapter they add: ``(model,
+    None)`` for a plain model, ``(shared base, adapter name)`` for one of comlrl's LoRA agents, and
+    ``(None, None)`` for any other adapter wrapping (a bare ``PeftModel``, transformers' own adapters)."""
+    from ..adapters import AdapterAgent
+
+    if isinstance(model, AdapterAgent):
+        return model.get_base_model(), model.adapter_name
+    if getattr(model, "peft_config", None) or getattr(model, "_hf_peft_config_loaded", False):
+        return None, None
+    return model, None
+
+
+# A projection as the steps compute it: (weight, bias, lora), lora = (A [r, in], B [out, r], B's bias,
+# scaling) or None; the output is F.linear(x, weight, bias) + F.linear(F.linear(x, A), B, B bias) * scaling.
+_Projection = tuple[torch.Tensor, Optional[torch.Tensor], Optional[tuple[torch.Tensor, torch.Tensor,
+                                                                         Optional[torch.Tensor], float]]]
+
+
+def _projection(module: torch.nn.Module, adapter: Optional[str]) -> Optional[_Projection]:
+    """``module``'s weights for the steps, or None if they cannot compute it: a plain ``nn.Linear``, or
+    (for ``adapter``) a peft LoRA ``Linear`` over one, vanilla (no DoRA or other variant), unmerged,
+    adapters enabled. A layer without this adapter is its base layer."""
+    if type(module) is torch.nn.Linear:
+        return module.weight, module.bias, None
+    if adapter is None or type(module).__module__ != "peft.tuners.lora.layer" or type(module).__name__ != "Linear":
+        return None
+    base = getattr(module, "base_layer", None)
+    if type(base) is not torch.nn.Linear or module.merged or module.disable_adapters \
+            or adapter in getattr(module, "lora_variant", {}):
+        return None
+    if adapter not in module.lora_A:
+        return base.weight, base.bias, None
+    a, b = module.lora_A[adapter], module.lora_B[adapter]
+    if type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear or a.bias is not None \
+            or a.weight.dtype != base.weight.dtype:
+        return None
+    return base.weight, base.bias, (a.weight, b.weight, b.bias, float(module.scaling[adapter]))
+
+
+def _project(x: torch.Tensor, projection: _Projection) -> torch.Tensor:
+    """One projection of :func:`_projection` on ``x`` ``[R, in]`` -> ``[R, out]`` (sampling runs in eval
+    mode: LoRA dropout is the identity)."""
+    weight, bias, lora = projection
+    out = F.linear(x, weight, bias)
+    if lora is not None:
+        a, b, b_bias, scaling = lora
+        out = out + F.linear(F.linear(x, a), b, b_bias) * scaling
+    return out
+
+
+def _merged(projection: _Projection) -> _Projection:
+    """``projection`` as one product: ``weight + (B @ A) * scaling`` (a new tensor; the module's own
+    weights are untouched), the same function up to float rounding."""
+    weight, bias, lora = projection
+    if lora is None:
+        return projection
+    a, b, b_bias, scaling = lora
+    if b_bias is not None:
+        bias = b_bias * scaling if bias is None else bias + b_bias * scaling
+    return torch.addmm(weight, b, a, alpha=scaling), bias, None
+
+
 def supports_static_decoding(model: torch.nn.Module) -> Optional[str]:
     """None if :class:`StaticDecoder` can run ``model``; otherwise the reason it cannot."""
+    model, adapter = _plain_view(model)
+    if model is None:
+        return "adapters injected into the model (comlrl's LoRA agents decode here; other wrappings do not)"
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -57,15 +126,11 @@ def supports_static_decoding(model: torch.nn.Module) -> Optional[str]:
            for name in ("q_norm", "k_norm")):
         return "query/key norms"
     # The steps read the modules' weights directly, so every module must compute exactly
-    # F.linear / RMSNorm on them: no adapters injected in place (peft LoRA layers keep the base
-    # weight in .weight), no hooks, no quantised or offloaded weights.
-    if getattr(model, "peft_config", None) or getattr(model, "_hf_peft_config_loaded", False):
-        return "adapters injected into the model"
-    linears = [model.lm_head] + [m for layer in inner.layers for m in (
-        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-        layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
-    if any(type(m) is not torch.nn.Linear for m in linears) or type(inner.embed_tokens) is not torch.nn.Embedding:
-        return "projections that are not plain nn.Linear / nn.Embedding (adapters, quantisation)"
+    # F.linear (+ a vanilla LoRA term) / RMSNorm on them: no hooks, no quantised or offloaded weights.
+    if type(model.lm_head) is not torch.nn.Linear or type(inner.embed_tokens) is not torch.nn.Embedding:
+        return "an embedding or output head that is not plain nn.Embedding / nn.Linear (adapters, quantisation)"
+    if any(_projection(m, adapter) is None for layer in inner.layers for m in _projections(layer)):
+        return "projections that are neither nn.Linear nor vanilla LoRA over one (quantisation, DoRA, merged adapters)"
     norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if any(not hasattr(n, "variance_epsilon") or not isinstance(getattr(n, "weight", None), torch.Tensor)
            for n in norms):
@@ -76,6 +141,12 @@ def supports_static_decoding(model: torch.nn.Module) -> Optional[str]:
     if len(devices) != 1 or next(iter(devices)).type == "meta":
         return "weights on several devices or not materialised"
     return None
+
+
+def _projections(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
+    """A decoder layer's seven projections: q, k, v, o, gate, up, down."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -219,37 +290,45 @@ class StaticDecoder(_CachedDecoder):
 
     def __init__(self, model: torch.nn.Module, prompt_cache: Any, prompt_mask: torch.Tensor,
                  first_positions: torch.Tensor, max_new_tokens: int):
-        super().__init__([model], [prompt_cache], [prompt_mask], [first_positions], max_new_tokens)
-        self.model = model
-        self.inner = model.model
+        plain, adapter = _plain_view(model)
+        if plain is None:
+            raise ValueError(supports_static_decoding(model))
+        super().__init__([plain], [prompt_cache], [prompt_mask], [first_positions], max_new_tokens)
+        self.model = plain
+        self.inner = plain.model
         fuse = sum(p.numel() * p.element_size() for layer in self.inner.layers
                    for p in (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
                              layer.self_attn.v_proj.weight, layer.mlp.gate_proj.weight,
                              layer.mlp.up_proj.weight)) <= FUSE_LIMIT_BYTES
-        self.layers = [self._layer_weights(layer, fuse) for layer in self.inner.layers]
+        self.layers = [self._layer_weights(layer, fuse, adapter) for layer in self.inner.layers]
 
     @staticmethod
-    def _layer_weights(layer: torch.nn.Module, fuse: bool) -> dict[str, Any]:
-        attn, mlp = layer.self_attn, layer.mlp
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+    def _layer_weights(layer: torch.nn.Module, fuse: bool, adapter: Optional[str] = None) -> dict[str, Any]:
+        """A layer's norms and projections. When the layer is small enough (``fuse``: then copies of
+        its weights cost little), q/k/v and gate/up are fused into one product each and LoRA terms
+        merged into the copies (refreshed with every rollout, so they follow the training); otherwise
+        the steps read the modules' weights in place and add each LoRA term as its own two products."""
+        parts = [_projection(m, adapter) for m in _projections(layer)]
+        if any(part is None for part in parts):
+            raise ValueError("a projection the steps cannot compute")
+        if fuse:
+            parts = [_merged(part) for part in parts]
+        q, k, v, o, gate, up, down = parts
         weights: dict[str, Any] = {
             "ln1": (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
             "ln2": (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-            "o": (attn.o_proj.weight, attn.o_proj.bias),
-            "down": (mlp.down_proj.weight, mlp.down_proj.bias),
+            "o": o, "down": down,
         }
         if fuse:
-            biases = [p.bias for p in projections]
-            weights["qkv"] = (torch.cat([p.weight for p in projections]),
+            qkv = (q, k, v)
+            biases = [b for _, b, _ in qkv]
+            weights["qkv"] = (torch.cat([w for w, _, _ in qkv]),
                               None if all(b is None for b in biases) else torch.cat(
-                                  [b if b is not None else p.weight.new_zeros(p.weight.shape[0])
-                                   for p, b in zip(projections, biases)]))
-            weights["gate_up"] = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-            weights["gate_up_bias"] = None if mlp.gate_proj.bias is None and mlp.up_proj.bias is None else \
-                torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+                                  [b if b is not None else w.new_zeros(w.shape[0]) for w, b, _ in qkv]), None)
+            weights["gate_up"] = (torch.cat([gate[0], up[0]]),
+                                  None if gate[1] is None and up[1] is None else torch.cat([gate[1], up[1]]), None)
         else:
-            weights["split"] = [(p.weight, p.bias) for p in projections] + \
-                [(mlp.gate_proj.weight, mlp.gate_proj.bias), (mlp.up_proj.weight, mlp.up_proj.bias)]
+            weights["split"] = [q, k, v, gate, up]
         return weights
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -257,14 +336,14 @@ class StaticDecoder(_CachedDecoder):
         x = F.embedding(tokens, self.inner.embed_tokens.weight)  # [R, H]
         for i, w in enumerate(self.layers):
             h = _rms_norm(x, *w["ln1"])
-            qkv = F.linear(h, *w["qkv"]) if "qkv" in w else torch.cat([F.linear(h, *wb) for wb in w["split"][:3]], -1)
-            x = x + F.linear(self._attend(i, qkv), *w["o"])
+            qkv = _project(h, w["qkv"]) if "qkv" in w else torch.cat([_project(h, p) for p in w["split"][:3]], -1)
+            x = x + _project(self._attend(i, qkv), w["o"])
             h = _rms_norm(x, *w["ln2"])
             if "gate_up" in w:
-                gate, up = F.linear(h, w["gate_up"], w["gate_up_bias"]).chunk(2, dim=-1)
+                gate, up = _project(h, w["gate_up"]).chunk(2, dim=-1)
             else:
-                gate, up = (F.linear(h, *wb) for wb in w["split"][3:])
-            x = x + F.linear(F.silu(gate) * up, *w["down"])
+                gate, up = (_project(h, p) for p in w["split"][3:])
+            x = x + _project(F.silu(gate) * up, w["down"])
         self._advance()
         x = _rms_norm(x, self.inner.norm.weight, self.inner.norm.variance_epsilon)
         return F.linear(x, self.model.lm_head.weight, self.model.lm_head.bias)
@@ -320,14 +399,16 @@ def stackable(models: list[torch.nn.Module]) -> bool:
         return False
     if len({id(m) for m in models}) != len(models):
         return False
-    size = sum(p.numel() * p.element_size() for m in models for p in m.model.layers.parameters())
-    return size <= FUSE_LIMIT_BYTES and len({_layout(m) for m in models}) == 1
+    plains = [_plain_view(m)[0] for m in models]
+    size = sum(p.numel() * p.element_size() for m in plains for p in m.model.layers.parameters())
+    return size <= FUSE_LIMIT_BYTES and len({_layout(m) for m in plains}) == 1
 
 
 class StackedDecoder(_CachedDecoder):
     """One-token steps of N models of one layout at once: the agents' weights stacked on a leading
     dimension, every product a batched matrix product. N agents then cost about the operations
-    of one, which is what limits small-batch decoding.
+    of one, which is what limits small-batch decoding. LoRA agents' terms are merged into the
+    stacked copies (:func:`_merged`), so they decode as plain models do.
 
     Args:
         models: N models for which :func:`stackable` holds, in eval mode.
@@ -339,6 +420,8 @@ class StackedDecoder(_CachedDecoder):
 
     def __init__(self, models: list[torch.nn.Module], prompt_caches: list[Any], prompt_masks: list[torch.Tensor],
                  first_positions: list[torch.Tensor], max_new_tokens: int):
+        views = [_plain_view(m) for m in models]
+        models, adapters = [m for m, _ in views], [a for _, a in views]
         super().__init__(models, prompt_caches, prompt_masks, first_positions, max_new_tokens)
         first = models[0]
         self.n = len(models)
@@ -346,9 +429,6 @@ class StackedDecoder(_CachedDecoder):
 
         def stack(get):
             return torch.stack([get(m) for m in models])
-
-        def stack_bias(get):
-            return None if get(first) is None else stack(get)[:, None, :]
 
         # Embeddings and output heads: stacked copies when small (one lookup / one batched product
         # for all agents); per agent, uncopied, when large (large vocabularies are most of the
@@ -378,34 +458,31 @@ class StackedDecoder(_CachedDecoder):
         for i in range(len(first.model.layers)):
             def layer(m, i=i):
                 return m.model.layers[i]
-            qkv_bias = [stack_bias(lambda m, p=p: getattr(layer(m).self_attn, p).bias)
-                        for p in ("q_proj", "k_proj", "v_proj")]
-            if any(b is not None for b in qkv_bias):
-                qkv_bias = torch.cat([b if b is not None else
-                                      torch.zeros(self.n, 1, w, dtype=dtype, device=device)
-                                      for b, w in zip(qkv_bias, (self.heads * self.head_dim,
-                                                                 self.kv_heads * self.head_dim,
-                                                                 self.kv_heads * self.head_dim))], dim=-1)
-            else:
-                qkv_bias = None
-            gate_bias = stack_bias(lambda m: layer(m).mlp.gate_proj.bias)
-            up_bias = stack_bias(lambda m: layer(m).mlp.up_proj.bias)
+            # Per projection (q, k, v, o, gate, up, down) and agent: (weight, bias), LoRA merged in.
+            parts = list(zip(*[[_merged(_projection(module, adapter))[:2] for module in _projections(layer(m))]
+                               for m, adapter in zip(models, adapters)]))
+
+            def weights(j):  # [N, in, out]
+                return torch.stack([w for w, _ in parts[j]]).transpose(1, 2)
+
+            def biases(*js):  # [N, 1, sum of outs], zeros for missing ones; None when none has one
+                if all(b is None for j in js for _, b in parts[j]):
+                    return None
+                return torch.cat([torch.stack([b if b is not None else w.new_zeros(w.shape[0])
+                                               for w, b in parts[j]])[:, None, :] for j in js], dim=-1)
+
+            qkv_bias, gate_up_bias = biases(0, 1, 2), biases(4, 5)
             ln1 = stack(lambda m: layer(m).input_layernorm.weight)  # [N, H]
             ln2 = stack(lambda m: layer(m).post_attention_layernorm.weight)
-            qkv = torch.cat([stack(lambda m, p=p: getattr(layer(m).self_attn, p).weight)
-                             for p in ("q_proj", "k_proj", "v_proj")], dim=1).transpose(1, 2)  # [N, H, Q]
-            gate_up = torch.cat([stack(lambda m: layer(m).mlp.gate_proj.weight),
-                                 stack(lambda m: layer(m).mlp.up_proj.weight)], dim=1).transpose(1, 2)
+            qkv = torch.cat([weights(j) for j in (0, 1, 2)], dim=2)  # [N, H, Q]
+            gate_up = torch.cat([weights(4), weights(5)], dim=2)
             self.layers.append({
                 "ln1": (None if fold else ln1[:, None, :], layer(first).input_layernorm.variance_epsilon),
                 "ln2": (None if fold else ln2[:, None, :], layer(first).post_attention_layernorm.variance_epsilon),
                 "qkv": (qkv * ln1[:, :, None] if fold else qkv, qkv_bias),
-                "o": (stack(lambda m: layer(m).self_attn.o_proj.weight).transpose(1, 2),
-                      stack_bias(lambda m: layer(m).self_attn.o_proj.bias)),
-                "gate_up": (gate_up * ln2[:, :, None] if fold else gate_up,
-                            None if gate_bias is None else torch.cat([gate_bias, up_bias], dim=-1)),
-                "down": (stack(lambda m: layer(m).mlp.down_proj.weight).transpose(1, 2),
-                         stack_bias(lambda m: layer(m).mlp.down_proj.bias)),
+                "o": (weights(3), biases(3)),
+                "gate_up": (gate_up * ln2[:, :, None] if fold else gate_up, gate_up_bias),
+                "down": (weights(6), biases(6)),
             })
 
     @staticmethod
