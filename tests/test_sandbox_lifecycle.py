@@ -122,10 +122,14 @@ def test_hopping_process_chains_are_killed_without_a_pid_namespace(request, mode
 class _World:
     """A fake process table for the sweep: one child of ours that, ``hops`` times, has forked and
     exited between being listed and being signalled (its child, an orphan, is ours next): an
-    adversary faster than any sweep, for a while."""
+    adversary faster than any sweep, for a while. Its PIDs lie above the kernel's largest pid_max
+    (2**22), so none is ever this process's own: with small numbers a worker whose PID fell among
+    them listed itself as its own child, and the sweep grew its list without end."""
+
+    FIRST = 2**22 + 100
 
     def __init__(self, hops: int):
-        self.hops, self.alive, self.stopped, self.next = hops, {100}, set(), 101
+        self.hops, self.alive, self.stopped, self.next = hops, {self.FIRST}, set(), self.FIRST + 1
 
     def children(self, pid: int) -> list[int]:
         return sorted(self.alive) if pid == os.getpid() else []
