@@ -16,11 +16,13 @@ from safetensors.torch import load_file
 
 pytestmark = pytest.mark.slow  # the fast suite: pytest -m "not slow"
 WORKER = Path(__file__).with_name("kill_worker.py")
-TRIALS = int(os.environ.get("COMLRL_KILL_TRIALS", "6"))
+TRIALS = int(os.environ.get("COMLRL_KILL_TRIALS", "4"))
 
 
-def run_worker(run_dir, kill_after=None, slow_save=0.0, family="magrpo"):
-    """Run the worker; with kill_after, SIGKILL it that many seconds after training starts."""
+def run_worker(run_dir, kill_after=None, slow_save=0.0, family="magrpo", in_save=None):
+    """Run the worker; with kill_after, SIGKILL it that many seconds after training starts. With
+    in_save (seconds), wait after that for the next checkpoint save to begin (its staging folder to
+    appear) and kill in_save seconds into it."""
     env = {**os.environ, "KILL_WORKER_SLOW_SAVE": str(slow_save), "KILL_WORKER_FAMILY": family}
     proc = subprocess.Popen([sys.executable, str(WORKER), str(run_dir)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, env=env)
@@ -29,16 +31,24 @@ def run_worker(run_dir, kill_after=None, slow_save=0.0, family="magrpo"):
         assert proc.returncode == 0, err.decode()[-3000:]
         return False
     metrics = run_dir / "ckpt" / "metrics.jsonl"
+
+    def staging():
+        return (run_dir / "ckpt").glob(".tmp-checkpoint-*")
+
+    before = set(staging())
     deadline = time.time() + 300
     while not metrics.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(kill_after)
+    if in_save is not None:  # a staging folder of this run's (one of a killed run's may still be there)
+        while proc.poll() is None and time.time() < deadline and set(staging()) <= before:
+            time.sleep(0.002)
+        time.sleep(in_save)
     finished = proc.poll() is not None
     if not finished:
         os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    mid_save = bool(list((run_dir / "ckpt").glob(".tmp-checkpoint-*")))
-    return mid_save
+    return bool(set(staging()) - before)  # killed inside a save
 
 
 def rows(run_dir):
@@ -63,10 +73,13 @@ def test_sigkill_then_resume_equals_uninterrupted(reference, tmp_path):
     for trial in range(TRIALS):
         run_dir = tmp_path / f"trial-{trial}"
         # Kill once or twice at random moments of the training phase, then let it finish. Odd trials
-        # stretch the saves (0.05 s around each file write) so that kills land inside them.
+        # stretch the saves (0.05 s around each file write) and kill the second time at a random
+        # moment inside a save.
         slow = 0.05 if trial % 2 else 0.0
-        for _ in range(1 + trial % 2):
-            mid_saves += run_worker(run_dir, kill_after=rng.uniform(0.0, 6.0 if slow else 2.5), slow_save=slow)
+        for kill in range(1 + trial % 2):
+            wait = rng.uniform(0.0, 1.0 if kill else 6.0 if slow else 2.5)
+            mid_saves += run_worker(run_dir, kill_after=wait, slow_save=slow,
+                                    in_save=rng.uniform(0.0, 0.2) if kill else None)
         run_worker(run_dir)
         tensors = load_file(str(run_dir / "final.safetensors"))
         assert tensors.keys() == ref_tensors.keys()
