@@ -153,16 +153,20 @@ def test_maac_learns_the_two_turn_refinement_task(model_path, tokenizer, tmp_pat
     """examples/multi_turn_refine.py's task (writer drafts, editor 2-3x longer; then the writer
     rewrites its draft 2-3x longer) with MAAC: one sample per prompt and turn, the critic's value of
     the turn-2 state as the turn-1 bootstrap. 32 rows per epoch (the 4 prompts x 8), lr 2e-3,
-    40 epochs, seeds 0-3.
+    40 epochs, seeds 0-2.
 
     Single runs are chaotic: a seed that learns on one processor's float kernels may stall on
     another's, and what is learned is sometimes partly forgotten (at 60 epochs the 4-seed mean of
     turn 1's last 10 epochs fell to 0.74 on the AVX2 kernels). So the test asserts on the best
-    10-epoch window of each turn, averaged over the seeds. Measured over seeds 0-3 on the default /
-    AVX2 / AVX-512 kernels, 40 epochs:
+    10-epoch window of each turn, averaged over the seeds. Measured over seeds 0-3 on the three
+    kernel families (default, AVX2, AVX-512), 40 epochs, with single seeds 0.709-0.962 in turn 1
+    and 0.395-0.957 in turn 2. The test runs seeds 0-2, whose means there were:
 
-    * turn 1: 4-seed means 0.909 / 0.827 / 0.866 (single seeds 0.709-0.962); asserted >= 0.65;
-    * turn 2: 4-seed means 0.729 / 0.731 / 0.774 (single seeds 0.395-0.957); asserted >= 0.55.
+    * turn 1: 0.866-0.901 (4 seeds: 0.827-0.909); asserted >= 0.65;
+    * turn 2: 0.737-0.784 (4 seeds: 0.729-0.774); asserted >= 0.55.
+
+    The fourth seed was dropped for the suite's time (about 75 s): the 3-seed means keep the
+    4-seed headroom.
 
     A random model starts at 0.36-0.41 in both turns (asserted < 0.5)."""
     import importlib.util
@@ -177,7 +181,7 @@ def test_maac_learns_the_two_turn_refinement_task(model_path, tokenizer, tmp_pat
     prompts = ["Describe a city in the clouds:", "Invent a new holiday:", "Write a bedtime story for a dragon:",
                "Design a playground on Mars:"]
     epochs, results = 40, []
-    for seed in (0, 1, 2, 3):
+    for seed in (0, 1, 2):
         out = tmp_path / f"seed{seed}"
         trainer = MAACTrainer(
             agent_model=model_path, critic_model=model_path, tokenizer=tokenizer, reward_func=example.refine_reward,
