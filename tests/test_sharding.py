@@ -4,29 +4,43 @@ on resume (2 -> 1, 1 -> 2), checkpoints whose folders from_pretrained loads, cle
 
 import json
 import os
-import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_distributed import assert_close_runs, final, rows, run
+from test_distributed import assert_close_runs, batch, final, finished, resumed, rows
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharding")]  # one worker: the runs are made once
 
 SHARDED = ("--sharding", "fsdp2")
 
 
+UNEVEN = ("--extra-prompt", "--train-batch-size", "2", "--ppo")
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Every run this module's tests compare, in three launches (1, 2, then 1 process; one import
+    each): with reference KL, unsharded on one process and sharded on two, for 2 and 4 epochs;
+    resumed for 4 epochs from each one's 2-epoch checkpoint, sharded (2 -> 2, 1 -> 2) and unsharded
+    (2 -> 1); the uneven run; and one bf16 epoch sharded."""
     root = tmp_path_factory.mktemp("shard")
-    run(root / "one", "--kl", "0.05")                       # one process, every agent whole
-    run(root / "two", "--kl", "0.05", *SHARDED, procs=2)    # each agent (and its reference) sharded over 2
+    batch(root, [(root / "one", "--kl", "0.05"),                       # one process, every agent whole
+                 (root / "one-4", "--kl", "0.05", "--epochs", "4"),
+                 (root / "uneven" / "one", *UNEVEN)], procs=1)
+    batch(root, [(root / "two", "--kl", "0.05", *SHARDED),              # each agent (and its reference) over 2
+                 (root / "two-4", "--kl", "0.05", "--epochs", "4", *SHARDED),
+                 *resumed(root / "two", root / "two-resumed", "--kl", "0.05", "--epochs", "4", *SHARDED),
+                 *resumed(root / "one", root / "one-on-two", "--kl", "0.05", "--epochs", "4", *SHARDED),
+                 (root / "uneven" / "two", *UNEVEN, *SHARDED),
+                 (root / "bf16", "--epochs", "1", "--mixed-precision", "bf16", *SHARDED)], procs=2)
+    batch(root, [*resumed(root / "two", root / "two-on-one", "--kl", "0.05", "--epochs", "4")], procs=1)
     return root
 
 
 def test_sharded_training_equals_unsharded(runs):
-    assert_close_runs(runs / "one", runs / "two")
+    assert_close_runs(finished(runs / "one"), finished(runs / "two", procs=2))
     assert [r["global_step"] for r in rows(runs / "two")] == [1, 2]
 
 
@@ -34,39 +48,27 @@ def test_each_process_holds_half_of_each_agent(runs):
     """Parameters and AdamW moments: FSDP2 splits every tensor along its first dimension, padded, so
     a process of two holds about half (asserted within 0.4-0.6)."""
     for rank in (0, 1):
-        record = json.loads((runs / "two" / f"rank{rank}.json").read_text())
+        record = json.loads((finished(runs / "two", procs=2) / f"rank{rank}.json").read_text())
         assert record["world_size"] == 2
         for fraction in record["params_fraction"] + record["moments_fraction"]:
             assert 0.4 <= fraction <= 0.6, record
 
 
 def test_sharded_resume_is_exact(runs):
-    run(runs / "two-4", "--kl", "0.05", "--epochs", "4", *SHARDED, procs=2)
-    resumed = runs / "two-resumed"
-    shutil.copytree(runs / "two", resumed)
-    run(resumed, "--kl", "0.05", "--epochs", "4", "--resume", str(resumed / "ckpt" / "checkpoint-2"), *SHARDED,
-        procs=2)
-    a, b = final(runs / "two-4"), final(resumed)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert rows(runs / "two-4") == rows(resumed)
+    a, b = (finished(runs / name, procs=2) for name in ("two-4", "two-resumed"))
+    wa, wb = final(a), final(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert rows(a) == rows(b)
 
 
 def test_a_sharded_checkpoint_resumes_unsharded_on_one_process(runs):
-    other = runs / "two-on-one"
-    shutil.copytree(runs / "two", other)
-    result = run(other, "--kl", "0.05", "--epochs", "4", "--resume", str(other / "ckpt" / "checkpoint-2"))
-    assert "written by 2 process(es) and resumes on 1" in result.stderr
-    if not (runs / "two-4").exists():
-        run(runs / "two-4", "--kl", "0.05", "--epochs", "4", *SHARDED, procs=2)
-    assert_close_runs(runs / "two-4", other)
+    other = finished(runs / "two-on-one")
+    assert "written by 2 process(es) and resumes on 1" in (other / "log-rank0.txt").read_text()
+    assert_close_runs(finished(runs / "two-4", procs=2), other)
 
 
 def test_an_unsharded_checkpoint_resumes_sharded_on_two_processes(runs):
-    other = runs / "one-on-two"
-    shutil.copytree(runs / "one", other)
-    run(other, "--kl", "0.05", "--epochs", "4", "--resume", str(other / "ckpt" / "checkpoint-2"), *SHARDED, procs=2)
-    run(runs / "one-4", "--kl", "0.05", "--epochs", "4")
-    assert_close_runs(runs / "one-4", other)
+    assert_close_runs(finished(runs / "one-4"), finished(runs / "one-on-two", procs=2))
 
 
 def test_a_sharded_checkpoint_is_an_ordinary_one(runs, tmp_path):
@@ -91,14 +93,11 @@ def test_a_sharded_checkpoint_is_an_ordinary_one(runs, tmp_path):
         "exp_avg", "exp_avg_sq", "step")
 
 
-def test_uneven_shares_and_several_passes_per_buffer(tmp_path):
+def test_uneven_shares_and_several_passes_per_buffer(runs):
     """5 prompts, 2 per step over 2 processes (the last step gives one process nothing), the
     clipped-ratio update with 2 passes: every process runs the same collectives (idle passes),
     and the run is the unsharded one within tolerance."""
-    args = ("--extra-prompt", "--train-batch-size", "2", "--ppo")
-    run(tmp_path / "one", *args)
-    run(tmp_path / "two", *args, *SHARDED, procs=2)
-    assert_close_runs(tmp_path / "one", tmp_path / "two")
+    assert_close_runs(finished(runs / "uneven" / "one"), finished(runs / "uneven" / "two", procs=2))
 
 
 def test_where_sharding_cannot_run_it_is_refused_before_models_load(model_path, tokenizer, monkeypatch):
@@ -126,7 +125,7 @@ def test_where_sharding_cannot_run_it_is_refused_before_models_load(model_path, 
     assert os.environ.get("WORLD_SIZE") is None
 
 
-def test_sharded_bf16_uses_fsdp2_mixed_precision_policy(tmp_path):
+def test_sharded_bf16_uses_fsdp2_mixed_precision_policy(runs):
     """mixed_precision="bf16" with sharding="fsdp2": FSDP2's MixedPrecisionPolicy gathers each
     layer's parameters in bfloat16 for its forwards (seen inside them), while the sharded
     masters and AdamW stay float32; training takes finite steps."""
@@ -135,10 +134,10 @@ def test_sharded_bf16_uses_fsdp2_mixed_precision_policy(tmp_path):
     policy = mixed_precision_policy(torch.bfloat16)
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
     assert mixed_precision_policy(None) is None
-    run(tmp_path, "--epochs", "1", "--mixed-precision", "bf16", *SHARDED, procs=2)
+    bf16 = finished(runs / "bf16", procs=2)
     for rank in (0, 1):
-        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        record = json.loads((bf16 / f"rank{rank}.json").read_text())
         assert record["forward_dtypes"] == {"0": ["torch.bfloat16"], "1": ["torch.bfloat16"]}, record
         assert record["master_dtypes"] == ["torch.float32"]
-    assert all(torch.isfinite(v).all() for v in final(tmp_path).values())
-    assert [r["global_step"] for r in rows(tmp_path)] == [1]
+    assert all(torch.isfinite(v).all() for v in final(bf16).values())
+    assert [r["global_step"] for r in rows(bf16)] == [1]
