@@ -271,9 +271,19 @@ def test_function_fingerprints_are_stable_across_processes(tmp_path):
         "class Reward:\n    def __init__(self):\n        self.scale = 2\n"
         "    def __call__(self, a, b):\n        return [self.scale] * len(a)\n"
         "print(callable_fingerprint(functools.partial(reward, scale=3)), callable_fingerprint(Reward()))\n")
-    outs = {subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout
-            for _ in range(2)}
-    assert len(outs) == 1 and "partial(" in outs.pop()
+    # This process and another, each with its own string-hash seed, print the same fingerprints.
+    import contextlib
+    import io
+    import os
+    import runpy
+
+    seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
+    other = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+    here = io.StringIO()
+    with contextlib.redirect_stdout(here):
+        runpy.run_path(str(script), run_name="__main__")
+    assert here.getvalue() == other and "partial(" in other
 
 
 def test_values_read_inside_comprehensions_are_part_of_a_reward(tmp_path):

@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "examples" / "configs" / "seed.yaml"
 TWO_TURN = ROOT / "examples" / "configs" / "two_turn.yaml"
 FAST = ["--max_new_tokens", "8"]
+# One xdist worker runs the module, so that the seed run is trained once (not once per worker).
+pytestmark = pytest.mark.xdist_group("cli")
 
 
 def comlrl(*args: str, cwd: Path, expect: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:

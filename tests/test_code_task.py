@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -191,18 +192,26 @@ def test_pass_rate_reward_one_agent_and_joint(box):
 
 
 def test_reward_fingerprint_is_stable_across_processes():
+    """The fingerprint another process (with another string-hash seed) computes is this one's."""
+    from comlrl.checkpoint.fingerprint import callable_fingerprint
+    from comlrl.tasks.code import code_collab_reward, test_feedback_transition
+
     script = textwrap.dedent("""
         from comlrl.checkpoint.fingerprint import callable_fingerprint
         from comlrl.tasks.code import code_collab_reward, test_feedback_transition
         print(callable_fingerprint(code_collab_reward(timeout_s=3)),
               callable_fingerprint(test_feedback_transition(max_failures=2)))
     """)
-    outs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
-            for _ in range(2)}
-    assert len(outs) == 1
-    other = subprocess.run([sys.executable, "-c", script.replace("max_failures=2", "max_failures=3")],
-                           capture_output=True, text=True, check=True).stdout
-    assert other != outs.pop()  # a setting that changes the prompts changes the fingerprint
+    seed = "1" if os.environ.get("PYTHONHASHSEED") != "1" else "2"
+    other_process = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                                   env={**os.environ, "PYTHONHASHSEED": seed}).stdout.split()
+
+    def here(max_failures):
+        return [callable_fingerprint(code_collab_reward(timeout_s=3)),
+                callable_fingerprint(test_feedback_transition(max_failures=max_failures))]
+
+    assert here(2) == other_process
+    assert here(3)[1] != other_process[1]  # a setting that changes the prompts changes the fingerprint
 
 
 # --- multi-turn feedback ------------------------------------------------------------------------------
