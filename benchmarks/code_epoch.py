@@ -46,7 +46,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
 sys.path.insert(0, str(PEERS))
-from common import emit, parser as runner_parser, peak_rss_mb, setup  # noqa: E402
+from common import emit, parser as runner_parser, peak_rss_mb, run_json_child, setup  # noqa: E402
 
 SETTINGS = dict(num_generations=4, max_new_tokens=48, temperature=0.6, top_p=0.6, top_k=50, lr=1e-4,
                 rollout_buffer_size=2, seed=0)
@@ -144,18 +144,7 @@ def run_ours(argv: list[str]) -> None:
 # the driver
 # ------------------------------------------------------------------------------------------------
 def run_child(cmd: list[str], timeout: float, peer: bool) -> dict:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if peer:
-        env.pop("PYTHONPATH", None)  # the peer sees only its own venv's packages (another `comlrl` among them)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(HERE.parent))
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{") and '"seconds_per_epoch"' in line:
-            return json.loads(line)
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
-    return {"error": f"exit {proc.returncode}:\n      " + "\n      ".join(tail)}
+    return run_json_child(cmd, timeout, own_packages=peer, cwd=str(HERE.parent))
 
 
 def table(runs: dict[str, dict]) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
 sys.path.insert(0, str(PEERS))
 from common import (DTYPES, PROMPTS, TRAINERS, clock, emit, model_dtype, parser as runner_parser, peak_gpu_mb,  # noqa: E402
-                    peak_rss_mb, reward, setup)
+                    peak_rss_mb, reward, run_json_child, setup)
 
 MODELS = {
     "a": dict(label="Qwen2 h64 l2, vocab 512", max_new_tokens=64, quick_tokens=8),
@@ -180,19 +179,8 @@ def run_ours(argv: list[str]) -> None:
 # the driver
 # ------------------------------------------------------------------------------------------------
 def run_child(python: str, script: Path, extra: list[str], runner_args: list[str], timeout: float) -> dict:
-    cmd = [python, str(script), *extra, *runner_args]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    if script.name != "throughput.py":
-        env.pop("PYTHONPATH", None)  # each peer sees only its own venv's packages (another `comlrl` among them)
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(HERE.parent))
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{") and '"seconds_per_epoch"' in line:
-            return json.loads(line)
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
-    return {"error": f"exit {proc.returncode}:\n      " + "\n      ".join(tail)}
+    return run_json_child([python, str(script), *extra, *runner_args], timeout,
+                          own_packages=script.name != "throughput.py", cwd=str(HERE.parent))
 
 
 def fmt(value, spec: str, missing: str = "n/a") -> str:

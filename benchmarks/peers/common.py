@@ -115,3 +115,23 @@ def emit(result: dict) -> None:
     """The runner's result: one JSON line, last on stdout."""
     sys.stdout.flush()
     print(json.dumps(result), flush=True)
+
+
+def run_json_child(cmd: list[str], timeout: float, own_packages: bool, cwd: str) -> dict:
+    """Run one benchmark process and return the JSON line it ``emit``-ted (``{"error": ...}`` when it
+    printed none). ``own_packages``: a peer in its own venv, which must not see this checkout's
+    PYTHONPATH (another ``comlrl`` is among its packages)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if own_packages:
+        env.pop("PYTHONPATH", None)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{") and '"seconds_per_epoch"' in line:
+            return json.loads(line)
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+    return {"error": f"exit {proc.returncode}:\n      " + "\n      ".join(tail)}
