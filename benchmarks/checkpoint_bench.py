@@ -46,7 +46,7 @@ def main() -> None:
         saves, loads = [], []
         for i in range(args.repeats):
             start = time.perf_counter()
-            saved = trainer._save(trainer.state.checkpoint + 1, limit=1)
+            saved = trainer.save_run_checkpoint(trainer.state.checkpoint + 1, limit=1)
             trainer.checkpoints.wait()  # the background write, committed
             saves.append(time.perf_counter() - start)
             start = time.perf_counter()

@@ -91,7 +91,7 @@ def test_allowed_changes_on_resume(make_trainer, tmp_path):
     assert resumed.state.epoch == 2
 
 
-def test_resuming_a_finished_run_does_nothing(make_trainer, tmp_path, caplog):
+def test_resuming_a_completed_run_does_nothing(make_trainer, tmp_path, caplog):
     d = tmp_path / "done"
     make_trainer(num_train_epochs=2).train(checkpoint_dir=d)
     again = make_trainer(num_train_epochs=2)

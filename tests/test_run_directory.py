@@ -167,14 +167,14 @@ def test_a_foreign_folder_in_the_way_of_a_save_is_never_replaced(make_trainer, t
     """Planted while the run holds the directory: the save refuses instead of swapping it out."""
     run = tmp_path / "run"
     trainer = make_trainer(num_train_epochs=2)
-    real_save = trainer._save
+    real_save = trainer.save_run_checkpoint
 
     def plant_then_save(number, limit):
         if number == 2:
             _hf_checkpoint(run / "checkpoint-2")
         return real_save(number, limit)
 
-    trainer._save = plant_then_save
+    trainer.save_run_checkpoint = plant_then_save
     with pytest.raises(CheckpointDirError, match="checkpoint-2 exists and is not a checkpoint"):
         trainer.train(checkpoint_dir=run)
     assert (run / "checkpoint-2" / "optimizer.pt").read_bytes() == b"\x80\x02}q\x00."

@@ -1,6 +1,13 @@
 """The epoch loop of ``train()``: buffers of prompts, evaluation cadence, logging at ``env_step``,
-checkpoint triggers. The algorithm of a buffer is the trainer family's
-(:meth:`comlrl.engine.trainer.Trainer._train_buffer`).
+checkpoint triggers. The algorithm of a buffer is the trainer family's.
+
+The loop and the trainer meet at one public contract, :mod:`comlrl.engine.schedule`: the loop uses
+only what :class:`~comlrl.engine.schedule.LoopTrainer` lists of the trainer (``is_complete``,
+``run_schedule``, ``buffer_prompts``, ``eval_due``, ``train_buffer``, ``save_run_checkpoint``, ...),
+and offers the trainer only :class:`~comlrl.engine.schedule.TrainingLoop`: :meth:`RunLoop.run_epoch`,
+:meth:`RunLoop.checkpoint`, :meth:`RunLoop.log` and ``checkpoint_dir``. ``run()`` hands control to
+``trainer.run_schedule(loop, progress)``, which calls back ``loop.run_epoch`` for every epoch
+(with a multi-phase family's phases around them); ``tests/test_contract.py`` checks both sides.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from ..tracking import Tracker
 from .timing import PhaseTimer
 
 if TYPE_CHECKING:
-    from .trainer import Trainer
+    from .schedule import LoopTrainer
 
 __all__ = ["RunLoop", "check_train_args"]
 
@@ -32,7 +39,7 @@ def _is_train_row(row: dict[str, Any]) -> bool:
 class RunLoop:
     """One call of ``train()``: opens the checkpoint directory and trackers, trains, closes them."""
 
-    def __init__(self, trainer: "Trainer", checkpoint_dir: Optional[os.PathLike], interval: int,
+    def __init__(self, trainer: "LoopTrainer", checkpoint_dir: Optional[os.PathLike], interval: int,
                  limit: Optional[int], save_steps: Optional[int], resumed_number: Optional[int], continuing: bool):
         self.t, self.args = trainer, trainer.args
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -62,7 +69,7 @@ class RunLoop:
 
     def _open_sinks(self) -> None:
         folder = self.checkpoint_dir if self.checkpoint_dir is not None else self.t.outputs_dir
-        self.trackers = self.t._open_trackers(folder, resumed=self.continuing, keep_at_boundary=_is_train_row)
+        self.trackers = self.t.open_run_trackers(folder, resumed=self.continuing, keep_at_boundary=_is_train_row)
 
     def _sync_trackers(self) -> None:
         """Before a checkpoint: the rows up to it survive a crash or a power cut."""
@@ -141,13 +148,15 @@ class RunLoop:
 
     # --- the loop ----------------------------------------------------------------------------
     def run(self) -> dict[str, float]:
+        """Train (``trainer.run_schedule``) between opening and closing the checkpoint directory and
+        trackers; returns the last logged row (``{}`` when the run was complete already)."""
         t = self.t
-        if t._finished():
+        if t.is_complete():
             logger.warning("comlrl: %d epoch(s) are already complete and num_train_epochs=%d; nothing to train. "
                            "Raise num_train_epochs to continue the run.", t.state.epoch, self.args.num_train_epochs)
             return {}
         with self._opened(), self._progress() as progress:
-            t._run_schedule(self, progress)
+            t.run_schedule(self, progress)
         return self.last
 
     def checkpoint(self) -> None:
@@ -163,7 +172,7 @@ class RunLoop:
         self._sync_trackers()
         timer = PhaseTimer(self.t.device)
         with timer("checkpoint"):
-            self.t._save(self.t.state.checkpoint + 1, self.limit)
+            self.t.save_run_checkpoint(self.t.state.checkpoint + 1, self.limit)
         self._saved()
         self.t.state.window.add(timer.metrics())
 
@@ -173,9 +182,11 @@ class RunLoop:
 
     def log(self, metrics: dict[str, float], flush: bool = False) -> None:
         """Log a family's phase metrics (e.g. reward-model training) at the current env_step."""
-        self._log(metrics, self.t._epoch_position(0.0), flush=flush)
+        self._log(metrics, self.t.epoch_position(0.0), flush=flush)
 
-    def _epoch(self, progress: Any) -> None:
+    def run_epoch(self, progress: Any) -> None:
+        """Train the rest of the current epoch, buffer by buffer (see
+        :meth:`comlrl.engine.schedule.TrainingLoop.run_epoch`): what ``run_schedule`` calls."""
         t = self.t
         epoch, order = t.state.epoch, t.epoch_order(t.state.epoch)
         if not 0 <= t.state.items_in_epoch < len(order):
@@ -187,21 +198,21 @@ class RunLoop:
                                 "checkpoint.")
         while True:
             start = t.state.items_in_epoch
-            indices = order[start:start + t._buffer_prompts()]
+            indices = order[start:start + t.buffer_prompts()]
             if not indices:
-                raise TrainingError(f"epoch {epoch + 1}: a buffer of {t._buffer_prompts()} prompt(s) at prompt {start} "
+                raise TrainingError(f"epoch {epoch + 1}: a buffer of {t.buffer_prompts()} prompt(s) at prompt {start} "
                                     f"of {len(order)} holds none; training would make no progress.")
             self._evaluate_if_due(start, len(indices), len(order))
             self._raise_tracker_failure()
             steps_before = t.state.global_step
             timer = PhaseTimer(t.device)
-            metrics = t._train_buffer(indices, epoch, timer)
+            metrics = t.train_buffer(indices, epoch, timer)
             metrics.update(timer.metrics())
             t.state.items_in_epoch += len(indices)
             done = t.state.items_in_epoch == len(order)
             if done:
                 t.state.epoch, t.state.items_in_epoch = epoch + 1, 0
-            self._log(metrics, t._epoch_position(epoch + (start + len(indices)) / len(order)), flush=done)
+            self._log(metrics, t.epoch_position(epoch + (start + len(indices)) / len(order)), flush=done)
             progress.update(t.state.global_step - steps_before)
             progress.set_postfix(epoch=epoch + 1, reward=f"{metrics.get('train/reward_mean', math.nan):.3f}")
             self._checkpoint_if_due(done, steps_before)
@@ -211,14 +222,14 @@ class RunLoop:
 
     def _evaluate_if_due(self, start: int, count: int, size: int) -> None:
         """CoMLRL's cadence: before training prompt i of an epoch when ``i % eval_interval == 0``
-        (a family may count otherwise: :meth:`Trainer._eval_due`)."""
-        if self.t.eval_dataset is None or not self.t._eval_due(start, count):
+        (a family may count otherwise: :meth:`Trainer.eval_due`)."""
+        if self.t.eval_dataset is None or not self.t.eval_due(start, count):
             return
         timer = PhaseTimer(self.t.device)
         with timer("eval"):
             evaluation = self.t.evaluate()
         evaluation.update(timer.metrics())
-        self._write_row({**evaluation, "epoch": round(self.t._epoch_position(self.t.state.epoch + start / size), 6)})
+        self._write_row({**evaluation, "epoch": round(self.t.epoch_position(self.t.state.epoch + start / size), 6)})
 
     def _log(self, metrics: dict[str, float], epoch: float, flush: bool) -> None:
         """Add a buffer's metrics to the window; write a row once ``env_step`` has moved
@@ -260,7 +271,7 @@ class RunLoop:
 
         t = self.t
         disable = not t.verbose or not t.dist.is_main or os.environ.get("COMLRL_DISABLE_PROGRESS") == "1"
-        bar = tqdm(total=t._total_steps(), initial=t.state.global_step, desc=t.algorithm_name, unit="step",
+        bar = tqdm(total=t.total_steps(), initial=t.state.global_step, desc=t.algorithm_name, unit="step",
                    dynamic_ncols=True, disable=disable)
         try:
             yield bar

@@ -117,7 +117,7 @@ class Persistence:
         """Restore what :meth:`algorithm_state` saved (and the family's tensors, see
         :meth:`comlrl.engine.trainer.Trainer._slots`)."""
 
-    def _save(self, number: int, limit: Optional[int]) -> Path:
+    def save_run_checkpoint(self, number: int, limit: Optional[int]) -> Path:
         """Save checkpoint ``number`` (the files are written on the manager's thread)."""
         self._check_finite_weights(number)
         self.state.checkpoint = number

@@ -1,9 +1,13 @@
 """The engine every trainer family runs on: inputs, the epoch loop, evaluation, checkpoints.
 
-A family subclasses :class:`Trainer` and supplies its algorithm: :meth:`Trainer._train_buffer`
-(the phases of its optimizer steps on one buffer of prompts) and, when it trains more than the
-agents, :meth:`Trainer._slots`. Everything else (data order, evaluation cadence, logging at
-``env_step``, checkpoint triggers, resume, locking, trackers) is here, once.
+A family subclasses :class:`Trainer` and supplies its algorithm: :meth:`Trainer.collect` and
+:meth:`Trainer.optimizer_step` (the phases of its optimizer steps on one buffer of prompts, run
+by :meth:`Trainer.train_buffer`) and, when it trains more than the agents,
+:meth:`Trainer.trained_slots`. Everything else (data order, evaluation cadence, logging at
+``env_step``, checkpoint triggers, resume, locking, trackers) is here, once. The run loop
+(engine/loop.py) calls the trainer only through the public methods of
+:class:`comlrl.engine.schedule.LoopTrainer`, all implemented here; a multi-phase family (MADPO,
+MARLHF) overrides the schedule ones.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from .metrics import episode_metrics, merge_records
 from .persistence import Persistence
 from .prompts import PromptTable, build_formatter_list
 from .rewards import RewardFunction
+from .schedule import TrainingLoop
 from .settings import TrainerConfig
 from .state import STEP_DONE, PlayedBuffer, TrainState
 from .step import allocate_adam_state, apply_gradients, own_parameters
@@ -256,33 +261,34 @@ class Trainer(Evaluation, Persistence):
         """The language models that sample, one per agent (what the rollout backend runs)."""
         return self.agents
 
-    def _finished(self) -> bool:
+    # --- the schedule: what the run loop calls (engine/schedule.py's LoopTrainer) --------------------
+    def is_complete(self) -> bool:
         """Whether every epoch of the run is done (train() then has nothing to do)."""
         return self.state.epoch >= self.args.num_train_epochs
 
-    def _run_schedule(self, loop: RunLoop, progress: Any) -> None:
+    def run_schedule(self, loop: TrainingLoop, progress: Any) -> None:
         """The run's work between opening and closing its trackers and checkpoint directory: the
         epochs of buffers (a multi-phase family runs its phases around them)."""
         while self.state.epoch < self.args.num_train_epochs:
-            loop._epoch(progress)
+            loop.run_epoch(progress)
 
-    def _total_steps(self) -> Optional[int]:
+    def total_steps(self) -> Optional[int]:
         """Optimizer steps of the whole run, for the progress bar (None: not known up front)."""
-        size, batch = len(self.epoch_order(0)), self._buffer_prompts()
+        size, batch = len(self.epoch_order(0)), self.buffer_prompts()
         per_epoch = sum(math.ceil(min(batch, size - s) / self._step_prompts()) for s in range(0, size, batch))
         return self.args.num_train_epochs * per_epoch * self.update_passes()
 
-    def _epoch_position(self, epoch: float) -> float:
+    def epoch_position(self, epoch: float) -> float:
         """The ``epoch`` value of a logged row (a family with phases may offset it)."""
         return epoch
 
-    def _eval_due(self, start: int, count: int) -> bool:
+    def eval_due(self, start: int, count: int) -> bool:
         """Whether to evaluate before the buffer of prompts ``start .. start + count`` of an epoch:
         CoMLRL's cadence, before every prompt i with ``i % eval_interval == 0``."""
         every = self.args.eval_interval
         return bool(every) and -(-start // every) * every < start + count
 
-    def _buffer_prompts(self) -> int:
+    def buffer_prompts(self) -> int:
         """Prompts per buffer: their episodes are played before the updates on them."""
         return self.args.rollout_buffer_size
 
@@ -441,7 +447,7 @@ class Trainer(Evaluation, Persistence):
                      {f"agent-{i}": o for i, o in enumerate(self.optimizers)},
                      {f"agent-{i}": s for i, s in enumerate(self.schedulers)})
 
-    def _train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
+    def train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
         """Train on one buffer of prompts (``indices`` into the train table): play its episodes
         (:meth:`collect`, this process's share), then one optimizer step (:meth:`optimizer_step`)
         per ``train_batch_size`` prompts, :meth:`update_passes` times over the buffer. Returns the
@@ -639,9 +645,9 @@ class Trainer(Evaluation, Persistence):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    # --- trackers (used by the loop) ----------------------------------------------------------
-    def _open_trackers(self, folder: os.PathLike, resumed: bool,
-                       keep_at_boundary: Callable[[dict[str, Any]], bool]) -> list[Tracker]:
+    # --- trackers (the loop's, through LoopTrainer.open_run_trackers) ----------------------------
+    def open_run_trackers(self, folder: os.PathLike, resumed: bool,
+                          keep_at_boundary: Callable[[dict[str, Any]], bool]) -> list[Tracker]:
         """The run's trackers (``report_to``), continuing their runs when ``resumed``; their
         identities are kept for the next checkpoint."""
         names = active_trackers(self.args.report_to, self.wandb_config)

@@ -186,7 +186,7 @@ class ActorCriticTrainerBase(Trainer):
 
         return distinct_modules(list(self.agents) + list(self.critics))
 
-    def _buffer_prompts(self) -> int:
+    def buffer_prompts(self) -> int:
         return max(1, math.ceil(self.args.rollout_buffer_size / self.args.num_generations))
 
     def _step_prompts(self) -> int:

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from ...engine import distributed as dist
+from ...engine.schedule import TrainingLoop
 from ...engine.streams import Stream, stream_rng
 from ...engine.timing import PhaseTimer
 from ..._imports import install_hint
@@ -133,10 +134,10 @@ class _Iterative:
         return DeviceScheduler.resolve_devices(self.args.comparator_devices, self.num_agents, kind="comparator_devices")
 
     # --- the schedule -----------------------------------------------------------------------------------
-    def _finished(self) -> bool:
+    def is_complete(self) -> bool:
         return self._iteration >= self.args.num_iterations
 
-    def _run_schedule(self, loop: Any, progress: Any) -> None:
+    def run_schedule(self, loop: TrainingLoop, progress: Any) -> None:
         self._root = self.legacy_outputs_dir() or loop.checkpoint_dir or self.outputs_dir
         while self._iteration < self.args.num_iterations:
             self._set_id = self._iteration
@@ -158,7 +159,7 @@ class _Iterative:
         self._phase = "pairs"
         self.state.epoch, self.state.items_in_epoch = 0, 0
 
-    def _epoch_position(self, epoch: float) -> float:
+    def epoch_position(self, epoch: float) -> float:
         """Rows count epochs over the whole run: iteration i's epoch e is i * num_train_epochs + e."""
         return self._iteration * self.args.num_train_epochs + epoch
 
@@ -469,7 +470,7 @@ class MARLHFIterTrainer(_Iterative, MARLHFTrainer):
         self._reward_initial = {k: v.detach().clone() for k, v in self.reward_model.state_dict().items()}
         self._reward_trained = False
 
-    def _train_reward_model(self, loop: Any) -> None:
+    def _train_reward_model(self, loop: TrainingLoop) -> None:
         """Every iteration starts from the reward model's initial weights and a fresh optimizer."""
         self.reward_model.load_state_dict(self._reward_initial)
         self.reward_optimizer.state.clear()

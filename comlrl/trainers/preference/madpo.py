@@ -26,6 +26,7 @@ import torch
 
 from ...engine import distributed as dist
 from ...engine.metrics import episode_metrics, merge_records
+from ...engine.schedule import TrainingLoop
 from ...engine.streams import Stream, stream_rng
 from ...engine.timing import PhaseTimer
 from ...engine.trainer import Trainer
@@ -114,10 +115,10 @@ class MADPOTrainer(Trainer):
         return self.centralized_collaboration.num_roles if self.centralized_collaboration else self.num_agents
 
     # --- the schedule ---------------------------------------------------------------------------
-    def _finished(self) -> bool:
+    def is_complete(self) -> bool:
         return self._phase != "pairs" and self.state.epoch >= self.args.num_train_epochs
 
-    def _run_schedule(self, loop: Any, progress: Any) -> None:
+    def run_schedule(self, loop: TrainingLoop, progress: Any) -> None:
         if self._phase == "pairs":
             self._new_pair_set(loop)
         if self._pair_set is None or not len(self._pair_set):
@@ -131,12 +132,12 @@ class MADPOTrainer(Trainer):
         """No pairs: the set's training is done."""
         self.state.epoch = self.args.num_train_epochs
 
-    def _train_pair_set(self, loop: Any, progress: Any) -> None:
+    def _train_pair_set(self, loop: TrainingLoop, progress: Any) -> None:
         """num_train_epochs of DPO over the pair set."""
         while self.state.epoch < self.args.num_train_epochs:
-            loop._epoch(progress)
+            loop.run_epoch(progress)
 
-    def _new_pair_set(self, loop: Any) -> None:
+    def _new_pair_set(self, loop: TrainingLoop) -> None:
         """Make this set's pairs and their reference log-probabilities, log, and checkpoint."""
         timer = PhaseTimer(self.device)
         pairs, record = self._generate_pairs(timer)
@@ -168,12 +169,12 @@ class MADPOTrainer(Trainer):
         count = len(self._pair_set) if self._pair_set is not None else 0
         return stream_rng(self.args.seed, Stream.PAIR_ORDER, self._set_id, epoch).permutation(count).tolist()
 
-    def _total_steps(self) -> Optional[int]:
+    def total_steps(self) -> Optional[int]:
         if self._pair_set is None:
             return None
         return math.ceil(len(self._pair_set) / self.args.train_batch_size) * self.args.num_train_epochs
 
-    def _eval_due(self, start: int, count: int) -> bool:
+    def eval_due(self, start: int, count: int) -> bool:
         """CoMLRL's MADPO cadence: before every eval_interval-th update."""
         every = self.args.eval_interval
         return bool(every) and self.state.global_step % every == 0
@@ -298,7 +299,7 @@ class MADPOTrainer(Trainer):
         gathered = dist.gather_objects(torch.cat(local) if local else out[:0], self.dist)
         return torch.cat(gathered)
 
-    def _train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
+    def train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
         """One optimizer step of every agent on the pairs ``indices`` (this process: its share)."""
         assert self._pair_set is not None
         args = self.args

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ...engine import distributed as dist
+from ...engine.schedule import TrainingLoop
 from ...engine.streams import Stream, stream_rng
 from ...engine.timing import PhaseTimer
 from ...exceptions import ConfigError
@@ -262,13 +263,13 @@ class MARLHFTrainer(MADPOTrainer):
     def _phase_after_pairs(self) -> str:
         return "reward"
 
-    def _finished(self) -> bool:
+    def is_complete(self) -> bool:
         return self._phase == "rl" and self.state.epoch >= self.args.num_train_epochs
 
     def _skip_pair_set(self) -> None:
         self._phase, self.state.epoch = "rl", self.args.num_train_epochs
 
-    def _train_pair_set(self, loop: Any, progress: Any) -> None:
+    def _train_pair_set(self, loop: TrainingLoop, progress: Any) -> None:
         """The reward model on the pair set, then num_train_epochs of the online phase."""
         if self._phase == "reward":
             self._train_reward_model(loop)
@@ -276,9 +277,9 @@ class MARLHFTrainer(MADPOTrainer):
             self.state.epoch, self.state.items_in_epoch = 0, 0
             loop.checkpoint()
         while self.state.epoch < self.args.num_train_epochs:
-            loop._epoch(progress)
+            loop.run_epoch(progress)
 
-    def _train_reward_model(self, loop: Any) -> None:
+    def _train_reward_model(self, loop: TrainingLoop) -> None:
         """reward_num_train_epochs of the Bradley-Terry loss over the pair set, reward_train_batch_size
         pairs per step (split over processes), in a seeded order per epoch."""
         pairs, a = self._pair_set.pairs, self.args
@@ -320,23 +321,23 @@ class MARLHFTrainer(MADPOTrainer):
     def epoch_order(self, epoch: int) -> list[int]:
         return self.rl.epoch_order(epoch) if self._phase == "rl" else super().epoch_order(epoch)
 
-    def _buffer_prompts(self) -> int:
-        return self.rl._buffer_prompts() if self._phase == "rl" else super()._buffer_prompts()
+    def buffer_prompts(self) -> int:
+        return self.rl.buffer_prompts() if self._phase == "rl" else super().buffer_prompts()
 
     def _step_prompts(self) -> int:
         return self.rl._step_prompts() if self._phase == "rl" else super()._step_prompts()
 
-    def _total_steps(self) -> Optional[int]:
-        return self.rl._total_steps() if self._phase == "rl" else None
+    def total_steps(self) -> Optional[int]:
+        return self.rl.total_steps() if self._phase == "rl" else None
 
-    def _eval_due(self, start: int, count: int) -> bool:
-        return self.rl._eval_due(start, count) if self._phase == "rl" else super()._eval_due(start, count)
+    def eval_due(self, start: int, count: int) -> bool:
+        return self.rl.eval_due(start, count) if self._phase == "rl" else super().eval_due(start, count)
 
-    def _train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
+    def train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
         if self._phase != "rl":
-            return super()._train_buffer(indices, epoch, timer)
+            return super().train_buffer(indices, epoch, timer)
         self._task_rewards = []
-        metrics = self.rl._train_buffer(indices, epoch, timer)
+        metrics = self.rl.train_buffer(indices, epoch, timer)
         # train/reward_* stay the TASK's reward throughout the run; the reward model's are learned_reward_*.
         metrics = {(k.replace("train/reward_", "train/learned_reward_") if k.startswith("train/reward_") else k): v
                    for k, v in metrics.items()}
