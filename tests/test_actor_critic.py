@@ -212,10 +212,10 @@ def test_td_targets_and_advantages_of_a_buffer(make_ac):
     turns = play(trainer, [0, 1])
     data = trainer._advantages(turns)
     for a in range(2):
-        values, targets = data["values"][a][0], data["targets"][a][0]
+        values, targets = data.values[a][0], data.targets[a][0]
         assert torch.equal(targets, turns[0].rewards)  # one turn: the target is the reward
-        assert torch.allclose(data["advantages"][a][0].double(), targets - values, atol=1e-6)
-    normalized = make_ac("iac")._advantages(turns)["advantages"][0][0]
+        assert torch.allclose(data.advantages[a][0].double(), targets - values, atol=1e-6)
+    normalized = make_ac("iac")._advantages(turns).advantages[0][0]
     assert abs(float(normalized.mean())) < 1e-5 and float(normalized.std(unbiased=False)) == pytest.approx(1, abs=1e-4)
 
 
@@ -226,7 +226,7 @@ def test_per_agent_rewards_give_each_agent_its_target(make_ac):
     trainer = make_ac("iac", reward_func=own, advantage_normalization=False)
     turns = play(trainer, [0])
     data = trainer._advantages(turns)
-    assert data["targets"][0][0].tolist() == [1.0, 1.0] and data["targets"][1][0].tolist() == [-1.0, -1.0]
+    assert data.targets[0][0].tolist() == [1.0, 1.0] and data.targets[1][0].tolist() == [-1.0, -1.0]
     assert turns[0].rewards.tolist() == [0.0, 0.0]  # the joint reward is their mean
 
     def one_each(completions1, completions2):  # N values with J=1: one reward per agent (CoMLRL's form)
@@ -234,7 +234,7 @@ def test_per_agent_rewards_give_each_agent_its_target(make_ac):
 
     single = make_ac("iac", reward_func=one_each, num_generations=1, rollout_buffer_size=2)
     data = single._advantages(play(single, [0]))
-    assert data["targets"][0][0].tolist() == [0.5] and data["targets"][1][0].tolist() == [-0.5]
+    assert data.targets[0][0].tolist() == [0.5] and data.targets[1][0].tolist() == [-0.5]
 
 
 # --- training ---------------------------------------------------------------------------------
@@ -350,8 +350,8 @@ def test_multi_turn_targets_bootstrap_from_the_next_turn(make_ac):
     assert len(turns) == 2
     data = trainer._advantages(turns)
     for a in range(2):
-        expected = turns[0].rewards + 0.5 * data["values"][a][1]
-        assert torch.allclose(data["targets"][a][0], expected) and torch.equal(data["targets"][a][1], turns[1].rewards)
+        expected = turns[0].rewards + 0.5 * data.values[a][1]
+        assert torch.allclose(data.targets[a][0], expected) and torch.equal(data.targets[a][1], turns[1].rewards)
     trainer.train()
     assert {"turn_1/reward_mean", "turn_2/reward_mean"} <= set(rows(trainer.args.output_dir)[-1])
 

@@ -2,11 +2,14 @@
 uses only what ``LoopTrainer`` lists of the trainer, a trainer only what ``TrainingLoop`` lists of
 the loop, and every trainer family provides ``LoopTrainer``'s methods with signatures the loop can
 call. Read from the source (``ast``) for the two directions of use, from the classes for the rest.
+The played buffer between them: the engine's progress through a step apart from the family's own
+record of it, and each family's typed data.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import inspect
 from pathlib import Path
@@ -269,5 +272,114 @@ def test_a_built_trainer_is_a_loop_trainer(make_trainer):
     trainer = make_trainer()
     try:
         assert isinstance(trainer, LoopTrainer)
+    finally:
+        trainer.close()
+
+
+# --- the played buffer: the family's data and step parts apart from the engine's progress (issue 30) ------
+
+def _family_trainer(kind: str, model_path, tokenizer, tmp_path, **overrides):
+    """A tiny trainer of family ``kind`` ("magrpo", "mahagrpo", "iac", "maac") on 4 seed prompts, one epoch."""
+    from transformers import AutoModelForCausalLM
+
+    from comlrl.trainers.actor_critic import IACConfig, IACTrainer, MAACConfig, MAACTrainer
+    from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer, MAHAGRPOConfig, MAHAGRPOTrainer
+
+    from helpers import SEED_PROMPTS, TEST_SETTINGS, length_ratio_reward
+
+    kwargs = dict(agents=[AutoModelForCausalLM.from_pretrained(model_path) for _ in range(2)], tokenizer=tokenizer,
+                  reward_func=length_ratio_reward, train_dataset=[{"prompt": p} for p in SEED_PROMPTS[:4]])
+    if kind in ("iac", "maac"):
+        settings = dict(num_turns=1, num_generations=2, num_train_epochs=1, max_new_tokens=8, rollout_buffer_size=4,
+                        train_batch_size=4, eval_interval=0, early_termination_threshold=None,
+                        output_dir=str(tmp_path / kind), **overrides)
+        if kind == "iac":
+            return IACTrainer(critic_model=model_path, args=IACConfig(**settings), **kwargs)
+        return MAACTrainer(critic_model=model_path, args=MAACConfig(**settings), **kwargs)
+    settings = dict(TEST_SETTINGS, num_generations=2, num_train_epochs=1, max_new_tokens=8, agent_learning_rate=1e-3,
+                    output_dir=str(tmp_path / kind))
+    settings.update(overrides)
+    if kind == "mahagrpo":
+        return MAHAGRPOTrainer(args=MAHAGRPOConfig(**settings), **kwargs)
+    return MAGRPOTrainer(args=MAGRPOConfig(**settings), **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["magrpo", "mahagrpo"])
+def test_the_engine_keeps_its_step_progress_apart_from_the_family_s_step_parts(kind, model_path, tokenizer, tmp_path,
+                                                                               monkeypatch):
+    """Interrupted just after an optimizer step finished (as its "update" phase closes): the engine
+    holds that step's metrics in ``buffer.finished_step``, the family's ``step_parts`` hold only
+    what the family wrote (MAGRPO: agent -> its update's metrics; MAHAGRPO: its
+    SequentialStepParts by position), and train() again counts the step without redoing it. Every
+    step starts with neither record, and both are cleared once the step is counted."""
+    from comlrl.engine.timing import PhaseTimer
+    from comlrl.trainers.reinforce import SequentialStepParts
+
+    trainer = _family_trainer(kind, model_path, tokenizer, tmp_path, rollout_buffer_size=2, train_batch_size=1)
+    cls, calls, interrupted = type(trainer), [], []
+    step, phase = cls.optimizer_step, PhaseTimer.__call__
+
+    def recorded(self, buffer, groups):
+        assert buffer.step_parts is None and buffer.finished_step is None, (buffer.step_parts, buffer.finished_step)
+        metrics = step(self, buffer, groups)
+        calls.append((buffer, metrics))
+        return metrics
+
+    @contextlib.contextmanager
+    def interrupted_after_the_first_step(self, name):
+        with phase(self, name):
+            yield
+        if name == "update" and not interrupted:
+            interrupted.append(name)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cls, "optimizer_step", recorded)
+    monkeypatch.setattr(PhaseTimer, "__call__", interrupted_after_the_first_step)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            trainer.train()
+        (buffer, metrics), = calls
+        assert buffer.finished_step is metrics and buffer.steps_done == 0 and trainer.state.global_step == 1
+        if kind == "magrpo":
+            assert set(buffer.step_parts) == {0, 1}
+        else:
+            parts = buffer.step_parts
+            assert isinstance(parts, SequentialStepParts)
+            assert set(parts.updates) == {0, 1} and set(parts.weights) == {0}  # the last agent's ratio is not needed
+            assert {metrics[f"agent_{a}/update_position"] for a in range(2)} == {0.0, 1.0}
+        trainer.train()  # the notebook habit: call it again
+        assert len(calls) == trainer.state.global_step == 4  # 2 buffers of 2 steps; the finished one not redone
+        assert buffer.steps_done == 2 and buffer.step_parts is None and buffer.finished_step is None
+        assert [b is buffer for b, _ in calls] == [True, True, False, False] and calls[2][0] is calls[3][0]
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("kind", ["magrpo", "mahagrpo", "iac", "maac"])
+def test_each_family_collects_its_typed_data(kind, model_path, tokenizer, tmp_path):
+    """``collect`` hands the family's optimizer steps its own dataclass, on a process with prompts
+    and on one without; the actor-critic fields are ``[agent][turn] -> [R_t]``."""
+    from comlrl.engine.timing import PhaseTimer
+    from comlrl.trainers.actor_critic import ActorCriticBufferData, MAACBufferData
+    from comlrl.trainers.reinforce import GroupBufferData
+
+    expected = {"magrpo": GroupBufferData, "mahagrpo": GroupBufferData, "iac": ActorCriticBufferData,
+                "maac": MAACBufferData}[kind]
+    trainer = _family_trainer(kind, model_path, tokenizer, tmp_path)
+    try:
+        buffer = trainer.collect([0, 1], 0, PhaseTimer())
+        data = buffer.data
+        assert type(data) is expected and buffer.step_parts is None and buffer.finished_step is None
+        rows = 2 * trainer.args.num_generations
+        if expected is GroupBufferData:
+            assert [[len(r) for r in turn] for turn in data.returns] == [[rows, rows]]  # [turn][agent]
+            assert data.old_log_probs == {} and data.sampled_policy_read == set()  # filled by the clipped update
+        else:
+            for name in ("values", "targets", "raw_advantages", "advantages", "shaped"):
+                assert [[len(t) for t in per_turn] for per_turn in getattr(data, name)] == [[rows], [rows]], name
+            assert data.kl == [[], []]  # no reference KL
+            if expected is MAACBufferData:
+                assert [len(inputs.texts) for inputs in data.critic_inputs] == [rows]
+        assert type(trainer.collect([], 0, PhaseTimer()).data) is expected
     finally:
         trainer.close()

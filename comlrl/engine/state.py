@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Generic, Mapping, Optional, TypeVar
 
 __all__ = ["TrainState", "LogWindow", "PlayedBuffer"]
 
@@ -56,29 +56,41 @@ class TrainState:
         return state
 
 
-# buffer.step_parts' key for the finished optimizer step's metrics (set by the engine, not by a family)
-STEP_DONE = "step_done"
+#: A family's data in :class:`PlayedBuffer` (its own dataclass; a dict also does).
+D = TypeVar("D")
 
 
 @dataclass
-class PlayedBuffer:
-    """A buffer's played episodes and its progress through its optimizer steps. A family adds what
-    its steps need in ``data``; ``record`` is what the episode metrics need
-    (:func:`comlrl.engine.metrics.record_turns`). ``steps`` holds, for each optimizer step of one
-    pass over the buffer, its prompts (positions in this process's share, as ``groups`` of
-    ``optimizer_step``); ``steps_done`` counts steps over every pass. ``step_parts`` holds what
-    the current optimizer step has finished when it updates modules one after another (e.g. each
-    agent's applied update and its metrics), so that train() called again after an interruption
-    redoes only the unfinished parts; emptied when the step completes. The engine keeps the
-    finished step's metrics there under ``STEP_DONE`` until it has counted them."""
+class PlayedBuffer(Generic[D]):
+    """A buffer's played episodes and its progress through its optimizer steps.
+
+    ``data`` is the family's: what its optimizer steps need of the buffer, its own dataclass
+    (MAGRPO's :class:`~comlrl.trainers.reinforce.GroupBufferData`, the actor-critic family's
+    :class:`~comlrl.trainers.actor_critic.ActorCriticBufferData`) or any object, a dict say.
+    ``record`` is what the episode metrics need (:func:`comlrl.engine.metrics.record_turns`).
+    ``steps`` holds, for each optimizer step of one pass over the buffer, its prompts (positions in
+    this process's share, as ``groups`` of ``optimizer_step``); ``steps_done`` counts steps over
+    every pass, ``step_metrics`` their metrics.
+
+    Two records of the current optimizer step let train() called again after an interruption redo
+    only what is unfinished; both are None between steps:
+
+    * ``step_parts``: the family's, of its own type, for a step that updates modules one after
+      another (MAGRPO: each agent's update metrics by agent; MAHAGRPO: a
+      :class:`~comlrl.trainers.reinforce.SequentialStepParts`). The family sets it in
+      ``optimizer_step``; the engine sets it back to None when the step is counted.
+    * ``finished_step``: the engine's, the finished step's metrics, set, read and cleared only by
+      :meth:`Trainer.train_buffer <comlrl.engine.trainer.Trainer.train_buffer>`: a step that finished
+      before an interruption is counted, not redone."""
 
     turns: list[Any]
     record: dict[str, Any]
-    data: dict[str, Any] = field(default_factory=dict)
+    data: D = field(default_factory=dict)  # type: ignore[assignment]  # a dict is a valid D
     extra_metrics: dict[str, float] = field(default_factory=dict)
     epoch: int = -1
     indices: list[int] = field(default_factory=list)
     steps_done: int = 0
     step_metrics: list[dict[str, float]] = field(default_factory=list)
     steps: list[range] = field(default_factory=list)
-    step_parts: dict[Any, Any] = field(default_factory=dict)
+    step_parts: Any = None
+    finished_step: Optional[dict[str, float]] = None

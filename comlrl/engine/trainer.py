@@ -43,7 +43,7 @@ from .prompts import PromptTable, build_formatter_list
 from .rewards import RewardFunction
 from .schedule import TrainingLoop
 from .settings import TrainerConfig
-from .state import STEP_DONE, PlayedBuffer, TrainState
+from .state import PlayedBuffer, TrainState
 from .step import allocate_adam_state, apply_gradients, own_parameters
 from .streams import Stream, stream_rng
 from .timing import PhaseTimer
@@ -454,7 +454,10 @@ class Trainer(Evaluation, Persistence):
         buffer's metrics and advances ``global_step`` / ``env_step``.
 
         The played buffer and its finished steps are kept on the trainer until the buffer is done,
-        so train() called again after an interruption redoes only the interrupted step.
+        so train() called again after an interruption redoes only the interrupted step: a step
+        whose :meth:`optimizer_step` returned is kept in ``buffer.finished_step`` (the engine's
+        alone) until it is counted; what the family finished of an unfinished step is in its own
+        ``buffer.step_parts``. Both are cleared when the step is counted.
         """
         order = self._buffer_order(indices, epoch)
         size = self._step_prompts()
@@ -468,12 +471,11 @@ class Trainer(Evaluation, Persistence):
         buffer.steps = [range(offsets[c], offsets[c] + len(mine[c])) for c in range(len(chunks))]
         while buffer.steps_done < self.update_passes() * len(chunks):
             with timer("update"):
-                if STEP_DONE not in buffer.step_parts:  # a step finished before an interruption is not redone
-                    metrics = self.optimizer_step(buffer, buffer.steps[buffer.steps_done % len(chunks)])
-                    buffer.step_parts[STEP_DONE] = metrics
-            buffer.step_metrics.append(buffer.step_parts[STEP_DONE])
+                if buffer.finished_step is None:  # a step finished before an interruption is not redone
+                    buffer.finished_step = self.optimizer_step(buffer, buffer.steps[buffer.steps_done % len(chunks)])
+            buffer.step_metrics.append(buffer.finished_step)
             buffer.steps_done += 1
-            buffer.step_parts = {}
+            buffer.step_parts = buffer.finished_step = None
         self._buffer = None
         merged = merge_records([buffer.record] if buffer.turns else [], self.args.num_turns, self.num_agents, self.dist)
         self.state.env_step += sum(len(r) for turn in merged["rewards"] for r in turn)
@@ -513,14 +515,17 @@ class Trainer(Evaluation, Persistence):
         """The rollout, score and advantage phases of one buffer: this process's prompts ``mine``
         (indices into the train table, in optimizer-step order), played with
         :meth:`play_episodes`, and whatever the family's :meth:`optimizer_step` needs in
-        ``PlayedBuffer.data``. Time each phase with ``timer("name")``."""
+        ``PlayedBuffer.data`` (the family's own dataclass, or any object). Time each phase with
+        ``timer("name")``."""
         raise NotImplementedError
 
     def optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
         """The update phase of one optimizer step: the prompts ``groups`` (positions in ``mine`` of
         :meth:`collect`; ``buffer.steps`` lists every step's) are back-propagated, then
         :meth:`step_modules` steps the optimizers. Returns the step's metrics (averaged over the
-        buffer's steps when logged)."""
+        buffer's steps when logged). A step that updates modules one after another keeps what it
+        finished in ``buffer.step_parts`` (None at the step's start), so that a call after an
+        interruption redoes only the rest."""
         raise NotImplementedError
 
     def play_episodes(self, mine: list[int], epoch: int, timer: Optional[PhaseTimer] = None,

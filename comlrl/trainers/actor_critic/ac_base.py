@@ -37,6 +37,7 @@ from ...functional.returns import discounted_returns
 from ...functional.values import group_moments, normalize_advantages, td_targets
 from ...models.actor_critic import CausalLMWithValueHead, unwrap_policy
 from ...rollout import Rollout
+from .buffers import ActorCriticBufferData
 from .config import ActorCriticConfig
 from .critics import split_value_heads
 
@@ -96,6 +97,11 @@ class _Losses:
     value: float = 0.0
 
 
+def _row_value(per_agent: list[list[torch.Tensor]], agent: int, turn: int, row: int) -> torch.Tensor:
+    """``[1]`` float32: row ``row`` of agent ``agent``'s turn ``turn`` of a ``[agent][turn] -> [R_t]`` field."""
+    return per_agent[agent][turn][row].reshape(1).float()
+
+
 def _as_given(advantages: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """The advantage function of rows whose ``returns`` are their advantages already."""
     return advantages
@@ -107,6 +113,8 @@ class ActorCriticTrainerBase(Trainer):
 
     config_class = ActorCriticConfig
     algorithm_name = "ActorCritic"
+    #: the family's ``PlayedBuffer.data``: the base's fields, and one per key of :meth:`_turn_values`' extras
+    buffer_data_class: type[ActorCriticBufferData] = ActorCriticBufferData
     legacy_resume_supported = False  # 1.4.3's actor-critic checkpoints: refused with a message
 
     def __init__(self, agent_model: Any = None, critic_model: Any = None, tokenizer: Any = None,
@@ -214,7 +222,7 @@ class ActorCriticTrainerBase(Trainer):
         return [f"critic-{i}" for i in range(len(self.critics))]
 
     # --- the advantage phase --------------------------------------------------------------------
-    def collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
+    def collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer[ActorCriticBufferData]:
         args = self.args
         turns = []
         if mine:
@@ -229,9 +237,10 @@ class ActorCriticTrainerBase(Trainer):
             buffer.extra_metrics.update(self._averaged(self._callback_sums(turns, data), ""))
         return buffer
 
-    def _advantages(self, turns: list) -> dict[str, Any]:
+    def _advantages(self, turns: list) -> ActorCriticBufferData:
         """Values, KL-shaped rewards, TD targets and standardised advantages of every row, per agent
-        and turn (``[agent][turn] -> [R_t]``), before any update."""
+        and turn (``[agent][turn] -> [R_t]``), before any update, as the family's
+        :attr:`buffer_data_class` (with :meth:`_turn_values`' extras per turn)."""
         args, n, k = self.args, self.num_agents, self.args.num_generations
         values: list[list[torch.Tensor]] = [[] for _ in range(n)]
         kls: list[list[torch.Tensor]] = [[] for _ in range(n)]
@@ -263,13 +272,14 @@ class ActorCriticTrainerBase(Trainer):
                                    dtype=torch.float64).view(n, args.num_turns, 3)
             advantages = [[normalize_advantages(adv, torch.full((len(adv),), t, dtype=torch.long), moments[a])
                            for t, adv in enumerate(raw[a])] for a in range(n)]
-        return {"values": values, "targets": targets, "raw_advantages": raw,
-                "advantages": [[x.float() for x in per] for per in advantages], "shaped": shaped, "kl": kls,
-                **extra}
+        return self.buffer_data_class(values=values, targets=targets, raw_advantages=raw,
+                                      advantages=[[x.float() for x in per] for per in advantages], shaped=shaped,
+                                      kl=kls, **extra)
 
     def _turn_values(self, turn: Any) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """Each agent's ``[R_t]`` values of one turn's rows (no grad), and anything the update
-        needs again (stored in the buffer per turn)."""
+        needs again, by the name of its field of :attr:`buffer_data_class` (stored there per turn:
+        ``[turn]``)."""
         raise NotImplementedError
 
     def _rollout_kl(self, agent: int, ro: Rollout) -> torch.Tensor:
@@ -281,13 +291,13 @@ class ActorCriticTrainerBase(Trainer):
                                       self.args.temperature)
         return sequence_kl(logp, self.reference_log_probs(agent)(ro), ro.completion_mask).cpu()
 
-    def _buffer_metrics(self, data: dict[str, Any]) -> dict[str, float]:
+    def _buffer_metrics(self, data: ActorCriticBufferData) -> dict[str, float]:
         """Per agent, over every process: mean value, TD error and (with the KL) reference KL."""
         n = self.num_agents
         sums = []
         for a in range(n):
-            values, raw = data["values"][a], data["raw_advantages"][a]
-            kl = data["kl"][a]
+            values, raw = data.values[a], data.raw_advantages[a]
+            kl = data.kl[a]
             sums += [sum(float(v.sum()) for v in values), sum(float(r.sum()) for r in raw),
                      sum(float(x.sum()) for x in kl), float(sum(len(v) for v in values))]
         sums = dist.all_reduce_sum(sums, self.dist)
@@ -307,7 +317,8 @@ class ActorCriticTrainerBase(Trainer):
         return torch.tensor([i * k + j for i, node in enumerate(turn.nodes) if node.group in groups for j in range(k)],
                             dtype=torch.long)
 
-    def _agent_rows(self, buffer: PlayedBuffer, agent: int, groups: range) -> Optional[AgentRows]:
+    def _agent_rows(self, buffer: PlayedBuffer[ActorCriticBufferData], agent: int,
+                    groups: range) -> Optional[AgentRows]:
         """Agent ``agent``'s rows of every turn for the prompts ``groups``: the rollout, its TD targets
         (``returns``), and ``advantages`` / ``old_values`` in ``extras``."""
         data, k = buffer.data, self.args.num_generations
@@ -318,9 +329,9 @@ class ActorCriticTrainerBase(Trainer):
             if not len(rows):
                 continue
             parts.append(select_rows(turn.rollouts[agent], rows))
-            targets.append(data["targets"][agent][t][rows])
-            adv.append(data["advantages"][agent][t][rows])
-            old.append(data["values"][agent][t][rows])
+            targets.append(data.targets[agent][t][rows])
+            adv.append(data.advantages[agent][t][rows])
+            old.append(data.values[agent][t][rows])
             count = len(rows) // k
             ids.append(torch.arange(next_id, next_id + count).repeat_interleave(k))
             next_id += count
@@ -329,7 +340,7 @@ class ActorCriticTrainerBase(Trainer):
         return AgentRows(concat_rollouts(parts, self.tokenizers[agent].pad_token_id), torch.cat(targets),
                          torch.cat(ids), {"advantages": torch.cat(adv), "old_values": torch.cat(old)})
 
-    def optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
+    def optimizer_step(self, buffer: PlayedBuffer[ActorCriticBufferData], groups: range) -> dict[str, float]:
         """One optimizer step of every agent and critic on the prompts ``groups`` (this process's)."""
         rows = [self._agent_rows(buffer, a, groups) for a in range(self.num_agents)]
         counts = dist.all_reduce_sum([len(r.returns) if r is not None else 0 for r in rows], self.dist)
@@ -375,12 +386,12 @@ class ActorCriticTrainerBase(Trainer):
                               autocast=self.autocast)
         return _Losses(policy=out.loss)
 
-    def _critic_backward(self, buffer: PlayedBuffer, groups: range) -> list[_Losses]:
+    def _critic_backward(self, buffer: PlayedBuffer[ActorCriticBufferData], groups: range) -> list[_Losses]:
         """Back-propagate the losses of critics not trained inside :meth:`_agent_backward`."""
         return []
 
     # --- metrics_callback (CoMLRL's task metrics) -------------------------------------------------
-    def _samples(self, turns: list, group: int, data: Optional[dict[str, Any]]) -> list[RolloutSample]:
+    def _samples(self, turns: list, group: int, data: Optional[ActorCriticBufferData]) -> list[RolloutSample]:
         """The :class:`RolloutSample` of every agent and turn of the episode of prompt ``group``."""
         k, out = (len(turns[0].rollouts[0].texts) // len(turns[0].nodes) if turns else 1), []  # 1 in evaluation
         rows_of = {}
@@ -388,7 +399,7 @@ class ActorCriticTrainerBase(Trainer):
             rows_of[t] = [i * k + j for i, node in enumerate(turn.nodes) if node.group == group for j in range(k)]
         returns = None
         if data is not None:
-            returns = [discounted_returns(data["shaped"][a], [t.children for t in turns], k, self.args.discount,
+            returns = [discounted_returns(data.shaped[a], [t.children for t in turns], k, self.args.discount,
                                           self.args.num_turns) for a in range(self.num_agents)]
         nan = torch.tensor([math.nan])
         for a in range(self.num_agents):
@@ -401,11 +412,14 @@ class ActorCriticTrainerBase(Trainer):
                     reward = (turn.agent_rewards[a] if turn.agent_rewards is not None else turn.rewards)[r]
                     meta: dict[str, Any] = {"turn_idx": t, "generation_idx": r % k,
                                             "batch_item": self._row_of(node)}
-                    pick = (lambda key: data[key][a][t][r].reshape(1).float()) if data is not None else (lambda key: nan)
+                    old_value, advantage, normalized = nan, nan, None  # in evaluation: no buffer data
                     if data is not None:
-                        meta["value_target"] = pick("targets")
+                        meta["value_target"] = _row_value(data.targets, a, t, r)
+                        old_value = _row_value(data.values, a, t, r)
+                        advantage = _row_value(data.raw_advantages, a, t, r)
+                        normalized = _row_value(data.advantages, a, t, r)
                         if self.args.reference_kl_enabled:
-                            kl = float(data["kl"][a][t][r])
+                            kl = float(data.kl[a][t][r])
                             meta.update(reference_kl=kl, reference_kl_penalty=self.args.reference_kl_coef * kl,
                                         environment_reward=float(reward))
                     out.append(RolloutSample(
@@ -413,17 +427,16 @@ class ActorCriticTrainerBase(Trainer):
                         full_input_ids=torch.cat([p_ids, c_ids]), attention_mask=torch.ones(len(p_ids) + len(c_ids),
                                                                                             dtype=torch.long),
                         prompt_len=len(p_ids), response_len=len(c_ids), old_logprob=nan.clone(),
-                        old_value=pick("values"), reward=reward.reshape(1).float(),
+                        old_value=old_value, reward=reward.reshape(1).float(),
                         returns=returns[a][t][r].reshape(1).float() if returns is not None else nan.clone(),
-                        advantage=pick("raw_advantages"),
-                        normalized_advantage=pick("advantages") if data is not None else None, metadata=meta))
+                        advantage=advantage, normalized_advantage=normalized, metadata=meta))
         return out
 
     def _row_of(self, node: Any) -> Any:
         table = self._tables.get("eval" if getattr(self, "_in_eval", False) else "train")
         return table[1].item(node.index) if table is not None else None
 
-    def _callback_sums(self, turns: list, data: Optional[dict[str, Any]]) -> dict[str, list[float]]:
+    def _callback_sums(self, turns: list, data: Optional[ActorCriticBufferData]) -> dict[str, list[float]]:
         """``metrics_callback`` on every episode's samples: ``{key: [sum, count]}`` over this process's
         episodes (values that are not numbers are skipped)."""
         sums: dict[str, list[float]] = {}

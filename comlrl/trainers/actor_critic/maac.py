@@ -18,6 +18,7 @@ from ...functional.values import value_errors
 from ...models.actor_critic import CausalLMWithValueHead
 from ...rollout import Rollout, left_pad
 from .ac_base import ActorCriticTrainerBase, RolloutSample, _Losses, head_values
+from .buffers import MAACBufferData
 from .config import MAACConfig
 from .critics import (as_value_model, check_critic_vocab, critic_device_list, critic_sources, load_critics,
                       lora_critics)
@@ -52,6 +53,7 @@ class MAACTrainer(ActorCriticTrainerBase):
 
     config_class = MAACConfig
     algorithm_name = "MAAC"
+    buffer_data_class = MAACBufferData
 
     @property
     def critic_optimizer(self) -> torch.optim.Optimizer:
@@ -117,7 +119,7 @@ class MAACTrainer(ActorCriticTrainerBase):
         values = self._critic_values(inputs)
         return [values] * self.num_agents, {"critic_inputs": inputs}
 
-    def _critic_backward(self, buffer: PlayedBuffer, groups: range) -> list[_Losses]:
+    def _critic_backward(self, buffer: PlayedBuffer[MAACBufferData], groups: range) -> list[_Losses]:
         """One regression of the critic on the step's joint rows, towards the agents' mean TD target
         (the agents' targets differ only by per-agent rewards or KL penalties)."""
         data, parts, targets, old = buffer.data, [], [], []
@@ -125,9 +127,9 @@ class MAACTrainer(ActorCriticTrainerBase):
             rows = self._row_index(turn, groups)
             if not len(rows):
                 continue
-            parts.append(select_rows(data["critic_inputs"][t], rows))
-            targets.append(torch.stack([data["targets"][a][t][rows] for a in range(self.num_agents)]).mean(dim=0))
-            old.append(data["values"][0][t][rows])
+            parts.append(select_rows(data.critic_inputs[t], rows))
+            targets.append(torch.stack([data.targets[a][t][rows] for a in range(self.num_agents)]).mean(dim=0))
+            old.append(data.values[0][t][rows])
         count = dist.all_reduce_sum([sum(len(p.texts) for p in parts)], self.dist)[0]
         out = _Losses()
         if not parts:

@@ -30,6 +30,7 @@ from ...functional.advantages import group_advantages
 from ...functional.joint import cross_returns
 from ...functional.losses import PolicyLossSpec
 from ...functional.returns import discounted_returns, tree_size
+from .buffers import GroupBufferData
 from .config import MAGRPOConfig
 
 __all__ = ["MAGRPOConfig", "MAGRPOTrainer"]
@@ -113,16 +114,16 @@ class MAGRPOTrainer(Trainer):
         return k ** n if self.args.joint_mode == "cross" and n > 1 else k
 
     # --- one buffer ----------------------------------------------------------------------------
-    def collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer:
+    def collect(self, mine: list[int], epoch: int, timer: PhaseTimer) -> PlayedBuffer[GroupBufferData]:
         """Rollout, score and returns for this process's prompts of the buffer."""
         turns = self.play_episodes(mine, epoch, timer)
         if not turns:  # this process has no prompt in the buffer
-            return PlayedBuffer([], {}, {"returns": []})
+            return PlayedBuffer([], {}, GroupBufferData(returns=[]))
         with timer("advantage"):
             joint = discounted_returns([t.rewards for t in turns], [t.children for t in turns],
                                        self._joint_per_node(), self.args.discount, self.args.num_turns)
             returns = [self._agent_returns(g, len(t.nodes)) for t, g in zip(turns, joint)]
-        return PlayedBuffer(turns, record_turns(turns, joint), {"returns": returns})
+        return PlayedBuffer(turns, record_turns(turns, joint), GroupBufferData(returns=returns))
 
     def _agent_returns(self, joint: torch.Tensor, num_nodes: int) -> list[torch.Tensor]:
         """Each agent's ``[nodes * K]`` completion returns from the joint-action returns: the joint
@@ -131,13 +132,13 @@ class MAGRPOTrainer(Trainer):
             return [joint] * len(self.agents)
         return list(cross_returns(joint.reshape(num_nodes, -1), self.args.num_generations, self.num_agents))
 
-    def agent_rows(self, buffer: PlayedBuffer, agent: int, groups: range) -> Optional[AgentRows]:
+    def agent_rows(self, buffer: PlayedBuffer[GroupBufferData], agent: int, groups: range) -> Optional[AgentRows]:
         """Agent ``agent``'s completions of every turn for the prompts ``groups`` of the batch (None
         if this process has none)."""
         k = self.args.num_generations
         parts, returns, ids = [], [], []
         next_id = 0
-        for turn, turn_returns in zip(buffer.turns, buffer.data["returns"]):
+        for turn, turn_returns in zip(buffer.turns, buffer.data.returns):
             nodes = [i for i, node in enumerate(turn.nodes) if node.group in groups]
             if not nodes:
                 continue
@@ -157,7 +158,7 @@ class MAGRPOTrainer(Trainer):
     def update_passes(self) -> int:
         return self.args.num_update_epochs
 
-    def optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
+    def optimizer_step(self, buffer: PlayedBuffer[GroupBufferData], groups: range) -> dict[str, float]:
         """One optimizer step on the prompts ``groups`` (this process's share), agent after agent:
         each agent's backward, then its update, its gradients freed before the next agent's
         backward, so that the peak memory holds one agent's gradients, not every agent's. The
@@ -167,9 +168,12 @@ class MAGRPOTrainer(Trainer):
         Each agent's update is checked on its own: a non-finite gradient stops training
         (``nonfinite="raise"``) or drops that agent's update (``"skip"``, counted in
         ``agent_i/skipped_steps``; ``train/skipped_steps`` counts steps that updated no agent, which
-        leave ``global_step`` unchanged). Finished agents are kept in ``buffer.step_parts``: train()
-        called again after an interruption updates only those not yet updated."""
-        parts = buffer.step_parts
+        leave ``global_step`` unchanged). Finished agents are kept in ``buffer.step_parts`` (agent
+        -> its update's metrics): train() called again after an interruption updates only those not
+        yet updated."""
+        if buffer.step_parts is None:
+            buffer.step_parts = {}
+        parts: dict[int, dict[str, float]] = buffer.step_parts
         for a in range(len(self.agents)):
             if a not in parts:
                 parts[a] = self._agent_update(buffer, a, groups, self._updated([(b, parts[b]) for b in range(a)]))
@@ -192,7 +196,7 @@ class MAGRPOTrainer(Trainer):
             metrics["train/skipped_steps"] = 1.0
         return metrics
 
-    def _agent_update(self, buffer: PlayedBuffer, agent: int, groups: range, applied: list[str],
+    def _agent_update(self, buffer: PlayedBuffer[GroupBufferData], agent: int, groups: range, applied: list[str],
                       weights: Optional[torch.Tensor] = None) -> dict[str, float]:
         """Agent ``agent``'s backward (``weights``: see :meth:`agent_backward`) and update in this
         optimizer step; ``applied`` names the agents this step already updated. Returns its metrics."""
@@ -207,7 +211,7 @@ class MAGRPOTrainer(Trainer):
         metrics.update(self.agent_metrics(agent, totals, norms[0]))
         return metrics
 
-    def agent_backward(self, buffer: PlayedBuffer, agent: int, groups: range,
+    def agent_backward(self, buffer: PlayedBuffer[GroupBufferData], agent: int, groups: range,
                        weights: Optional[torch.Tensor] = None) -> Optional[StepLoss]:
         """Back-propagate agent ``agent``'s loss on the prompts ``groups``; ``weights`` (``[R]``,
         one per row) multiply its advantages. None when this process has no rows. Every process
@@ -224,7 +228,7 @@ class MAGRPOTrainer(Trainer):
             idle_passes(self.agents[agent], passes or 0, reference=reference, grad=True, autocast=self.autocast)
             return None
         key = (agent, groups.start)
-        old = buffer.data.setdefault("old_log_probs", {}).get(key)
+        old = buffer.data.old_log_probs.get(key)
         if ratio and old is not None:
             rows.extras[OLD_LOG_PROBS] = old
         if weights is not None:
@@ -234,16 +238,15 @@ class MAGRPOTrainer(Trainer):
             micro_groups=args.micro_batch_size, loss=spec, reference=reference, kl_coef=args.reference_kl_coef,
             autocast=self.autocast, keep_log_probs=ratio and old is None, passes=passes)
         if out.log_probs is not None:  # this step's first update: its forward was the sampling policy's
-            buffer.data["old_log_probs"][key] = out.log_probs
+            buffer.data.old_log_probs[key] = out.log_probs
         return out
 
-    def _keep_old_log_probs(self, buffer: PlayedBuffer, agent: int) -> None:
+    def _keep_old_log_probs(self, buffer: PlayedBuffer[GroupBufferData], agent: int) -> None:
         """Before an agent's first update on a buffer, its policy is the one that sampled: the
         log-probs of the rows of the buffer's OTHER optimizer steps are taken now (no gradient),
         those of this step come from this step's own forward (no extra pass when a buffer is one
         optimizer step). Later steps and passes compare against these."""
-        kept = buffer.data.setdefault("old_log_probs", {})
-        read = buffer.data.setdefault("sampled_policy_read", set())
+        kept, read = buffer.data.old_log_probs, buffer.data.sampled_policy_read
         if buffer.steps_done or agent in read:
             return
         model = self.agents[agent]

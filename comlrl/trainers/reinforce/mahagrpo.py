@@ -38,6 +38,7 @@ from ...engine.step import collective_passes, idle_passes, rows_log_probs
 from ...engine.streams import Stream, stream_rng
 from ...exceptions import ConfigError
 from ...functional.losses import sequence_ratio
+from .buffers import GroupBufferData, SequentialStepParts
 from .config import JOINT_MODES, MAGRPOConfig
 from .magrpo import MAGRPOTrainer
 
@@ -79,32 +80,36 @@ class MAHAGRPOTrainer(MAGRPOTrainer):
         rng = stream_rng(self.args.seed, Stream.UPDATE_ORDER, self.state.global_step)
         return [int(a) for a in rng.permutation(len(self.agents))]
 
-    def optimizer_step(self, buffer: PlayedBuffer, groups: range) -> dict[str, float]:
+    def optimizer_step(self, buffer: PlayedBuffer[GroupBufferData], groups: range) -> dict[str, float]:
         """The agents updated in :meth:`update_order`, each with its advantages weighted by the
         earlier agents' clipped ratios. A non-finite gradient is MAGRPO's per-agent rule. Each
-        finished agent (its update, then its ratio) is kept in ``buffer.step_parts``, so train()
-        called again after an interruption continues with the same order and weights."""
-        parts = buffer.step_parts
+        finished agent (its update, then its ratio) is kept in ``buffer.step_parts`` (a
+        :class:`SequentialStepParts`, by position in the order), so train() called again after an
+        interruption continues with the same order and weights."""
+        if buffer.step_parts is None:
+            buffer.step_parts = SequentialStepParts()
+        parts: SequentialStepParts = buffer.step_parts
         eps = self.args.ppo_clip_eps
         order = self.update_order()
         weights = None  # [R] M of each row (joint action), None before the first agent
         for position, agent in enumerate(order):
-            if ("update", position) not in parts:
-                applied = self._updated([(b, parts[("update", i)]) for i, b in enumerate(order[:position])])
+            if position not in parts.updates:
+                applied = self._updated([(b, parts.updates[i]) for i, b in enumerate(order[:position])])
                 metrics = self._agent_update(buffer, agent, groups, applied, weights)
                 metrics[f"agent_{agent}/update_position"] = float(position)
                 if weights is not None:
                     metrics[f"agent_{agent}/advantage_weight_mean"] = float(weights.mean())
-                parts[("update", position)] = metrics
+                parts.updates[position] = metrics
             if position < len(order) - 1:  # every process (collectives when sharded), rows or not
-                if ("weights", position) not in parts:
+                if position not in parts.weights:
                     factor = self._clipped_ratio(buffer, agent, groups, eps)
-                    parts[("weights", position)] = (weights if factor is None else
-                                                    factor if weights is None else weights * factor)
-                weights = parts[("weights", position)]
-        return self._step_result({agent: parts[("update", position)] for position, agent in enumerate(order)})
+                    parts.weights[position] = (weights if factor is None else
+                                               factor if weights is None else weights * factor)
+                weights = parts.weights[position]
+        return self._step_result({agent: parts.updates[position] for position, agent in enumerate(order)})
 
-    def _clipped_ratio(self, buffer: PlayedBuffer, agent: int, groups: range, eps: float) -> Optional[torch.Tensor]:
+    def _clipped_ratio(self, buffer: PlayedBuffer[GroupBufferData], agent: int, groups: range,
+                       eps: float) -> Optional[torch.Tensor]:
         """``[R]`` clip(pi_new / pi_old, 1 - eps, 1 + eps) of the agent's completions of the rows,
         after its update (float64, no gradient); None when this process has no rows."""
         rows = self.agent_rows(buffer, agent, groups)
@@ -114,7 +119,7 @@ class MAHAGRPOTrainer(MAGRPOTrainer):
             return None
         new = rows_log_probs(self.agents[agent], rows, temperature=self.args.temperature,
                              micro_groups=self.args.micro_batch_size, autocast=self.autocast, passes=passes)
-        old = buffer.data["old_log_probs"][(agent, groups.start)]
+        old = buffer.data.old_log_probs[(agent, groups.start)]
         mask = rows.rollout.completion_mask.to(new.device)
         return sequence_ratio(new, old.to(new.device), mask).clamp(1.0 - eps, 1.0 + eps).cpu()
 
