@@ -23,7 +23,9 @@ without downloading anything.
 
 ``code_model_dir()`` is a small Qwen2 fine-tuned offline on the train split of the generated code
 task (:func:`comlrl.tasks.code.generated_split`): it writes that task's ``aux`` and entry-point
-functions, often wrongly on held-out problems (docs/code.md has the figures).
+functions, often wrongly on held-out problems (docs/code.md has the figures). The package ships
+the model as the build script made it (``comlrl/assets/code-model``, used while its recipe matches
+the script's); ``python scripts/build_code_model.py --write-asset`` rebuilds that copy.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ._imports import require_torch
 
 require_torch("comlrl.testing")  # before the first torch import: say how to install it
 
+import inspect
 import math
 import os
 import shutil
@@ -43,7 +46,8 @@ import torch
 
 __all__ = ["tiny_model_dir", "build_tiny_tokenizer", "build_tiny_model", "cache_root", "qwen_vocab_model_dir",
            "build_qwen_vocab_tokenizer", "SEED_PROMPTS", "length_ratio_reward", "qwen2_model_dir",
-           "QWEN2_5_0_5B_SHAPE", "code_model_dir", "build_code_model", "code_sft_corpus", "CODE_MODEL_SHAPE"]
+           "QWEN2_5_0_5B_SHAPE", "code_model_dir", "build_code_model", "code_sft_corpus", "CODE_MODEL_SHAPE",
+           "code_model_recipe", "write_code_model_asset", "CODE_MODEL_ASSET"]
 
 _CORPUS = """
 Describe a city in the clouds: towers of glass float above a sea of white mist, and bridges of
@@ -124,11 +128,20 @@ def build_tiny_model(kind: str = "qwen2", vocab_size: int = 512, hidden_size: in
 
 
 def _save_model_dir(model, tokenizer, target: Path) -> Path:
-    """Save into a hidden sibling, then rename into place (parallel builders cannot collide)."""
+    """Save model and tokenizer into ``target`` (see :func:`_publish`)."""
+    def save(tmp: Path) -> None:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _publish(target, save)
+
+
+def _publish(target: Path, fill) -> Path:
+    """``fill(folder)`` a hidden sibling of ``target``, then rename it into place (parallel builders
+    cannot collide: the first rename wins, the others' folders are removed)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}"
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    fill(tmp)
     try:
         os.rename(tmp, target)
     except OSError:  # another process built it first
@@ -384,13 +397,75 @@ def build_code_model(steps: int = 600, seed: int = 0, batch_size: int = 16, lear
     return model, tokenizer
 
 
+# The training settings code_model_dir() builds with (build_code_model's defaults).
+_BUILD_DEFAULTS = {name: p.default for name, p in inspect.signature(build_code_model).parameters.items()
+                   if name in ("batch_size", "learning_rate", "vocab_size")}
+
+# The code model as the script built it (weights, tokenizer and CODE_MODEL_RECIPE_FILE), shipped
+# with the package so that a fresh machine need not spend minutes building it; the build above is
+# the source of truth: the copy is used only while its recipe is code_model_recipe()'s.
+CODE_MODEL_ASSET = Path(__file__).resolve().parent / "assets" / "code-model"
+CODE_MODEL_RECIPE_FILE = "comlrl_recipe.json"
+
+
+def code_model_recipe(steps: int = 600, seed: int = 0) -> dict:
+    """What :func:`build_code_model` makes a model from: the version, the training settings, the
+    shape and a SHA-256 of the fine-tuning corpus and the tokenizer's text. Two builds with equal
+    recipes are the same model (up to a machine's float kernels)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for prompt, completion in code_sft_corpus(seed):
+        digest.update(f"{len(prompt)}:{prompt}{len(completion)}:{completion}".encode())
+    digest.update(_CORPUS.encode())
+    return {"version": _CODE_MODEL_VERSION, "steps": steps, "seed": seed, **_BUILD_DEFAULTS, "shape": CODE_MODEL_SHAPE,
+            "corpus_sha256": digest.hexdigest()}
+
+
+def _asset_recipe() -> Optional[dict]:
+    import json
+
+    try:
+        recipe = json.loads((CODE_MODEL_ASSET / CODE_MODEL_RECIPE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return recipe.get("recipe") if isinstance(recipe, dict) else None
+
+
+def write_code_model_asset(source: Path, steps: int = 600, seed: int = 0, destination: Path = CODE_MODEL_ASSET
+                           ) -> Path:
+    """Copy a model directory that :func:`build_code_model` built with ``steps``/``seed`` into
+    ``destination`` (the package's copy by default), with its recipe and where it was built."""
+    import json
+
+    destination.mkdir(parents=True, exist_ok=True)
+    for old in destination.iterdir():
+        old.unlink()
+    for name in _CODE_MODEL_FILES:
+        shutil.copyfile(Path(source) / name, destination / name)
+    built_with = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    (destination / CODE_MODEL_RECIPE_FILE).write_text(
+        json.dumps({"recipe": code_model_recipe(steps, seed), "built_with": built_with}, indent=1) + "\n")
+    return destination
+
+
+_CODE_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                     "tokenizer_config.json")
+
+
 def code_model_dir(steps: int = 600, seed: int = 0, cache_dir: Optional[str | os.PathLike] = None,
-                   log_every: int = 0) -> Path:
-    """Path of the small code model (:func:`build_code_model`), building it on first use (a few
-    minutes on 2 CPU cores) into the cache (``$COMLRL_CACHE`` or ``~/.cache/comlrl``)."""
+                   log_every: int = 0, build: bool = False) -> Path:
+    """Path of the small code model (:func:`build_code_model`) in the cache (``$COMLRL_CACHE`` or
+    ``~/.cache/comlrl``). On first use it is copied there from the package's copy
+    (:data:`CODE_MODEL_ASSET`) when that copy's recipe is :func:`code_model_recipe` ``(steps,
+    seed)``; otherwise, or with ``build=True`` (or ``COMLRL_BUILD_CODE_MODEL=1``), it is built
+    here (a few minutes on 2 CPU cores)."""
     root = Path(cache_dir) if cache_dir is not None else cache_root() / "tiny-models"
-    target = root / f"code-v{_CODE_MODEL_VERSION}-n{steps}-s{seed}"
+    build = build or os.environ.get("COMLRL_BUILD_CODE_MODEL") == "1"
+    target = root / f"code-v{_CODE_MODEL_VERSION}-n{steps}-s{seed}{'-built' if build else ''}"
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
+    if not build and _asset_recipe() == code_model_recipe(steps, seed):
+        return _publish(target, lambda tmp: shutil.copytree(CODE_MODEL_ASSET, tmp))
     model, tokenizer = build_code_model(steps=steps, seed=seed, log_every=log_every)
     return _save_model_dir(model, tokenizer, target)

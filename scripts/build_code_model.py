@@ -3,7 +3,13 @@ it: build time (wall and CPU seconds: CPU is what a loaded machine cannot inflat
 the warm model's pass@1 on the generated task's held-out problems, measured as
 examples/code_collab.py measures it (MAGRPOTrainer.evaluate with the code task's eval hooks).
 
-    python scripts/build_code_model.py [--steps 600] [--seed 0] [--cache-dir DIR] [--no-eval]
+    python scripts/build_code_model.py [--steps 600] [--seed 0] [--cache-dir DIR] [--no-eval] [--write-asset]
+
+The package ships the default model (comlrl/assets/code-model, with the recipe it was built from),
+so a fresh machine copies it rather than spending minutes building it; the copy is used only while
+its recipe equals the script's (tests/test_code_model.py checks that). After changing the corpus,
+the shape or the training, run with --write-asset: it builds here (never from the shipped copy) and
+replaces the package's copy.
 """
 
 import argparse
@@ -19,13 +25,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--no-eval", action="store_true")
+    parser.add_argument("--write-asset", action="store_true",
+                        help="build here and replace the package's copy (comlrl/assets/code-model)")
     args = parser.parse_args()
     os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
-    from comlrl.testing import code_model_dir
+    from comlrl.testing import code_model_dir, write_code_model_asset
 
     wall, cpu = time.perf_counter(), time.process_time()
-    path = code_model_dir(steps=args.steps, seed=args.seed, cache_dir=args.cache_dir, log_every=25)
+    path = code_model_dir(steps=args.steps, seed=args.seed, cache_dir=args.cache_dir, log_every=25,
+                          build=args.write_asset)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    if args.write_asset:
+        print(f"package copy: {write_code_model_asset(path, steps=args.steps, seed=args.seed)}")
     print(f"model: {path}\nbuild (or cache lookup): {wall:.1f} s wall, {cpu:.1f} s CPU "
           f"(max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB)")
     if args.no_eval:

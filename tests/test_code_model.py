@@ -1,6 +1,6 @@
 """The small code model (comlrl.testing.code_model_dir): fine-tuned offline on the generated task's
 train split only, deterministic, cached, loadable with from_pretrained, and weak but not useless
-on the held-out problems (RL has work to do)."""
+on the held-out problems (RL has work to do); the package's copy of it is current."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import torch
 from comlrl import testing
 from comlrl.tasks.code import generated_split
 
-# One worker under xdist: the slow tests build the cached model (minutes); two workers would build it twice.
+# One worker under xdist: the slow tests fill the cache with the model (a copy of the package's, or a
+# build of minutes where that copy is stale); two workers would do it twice.
 pytestmark = pytest.mark.xdist_group("code_model")
 
 
@@ -42,11 +43,31 @@ def test_build_is_deterministic_cached_and_loadable(tmp_path, monkeypatch):
     assert tokenizer.eos_token == testing.EOS
 
 
+def test_the_package_s_copy_is_what_the_script_builds_now(tmp_path, monkeypatch):
+    """The shipped model's recipe (corpus digest, shape, training settings) is the build's: a change
+    to any of them without `python scripts/build_code_model.py --write-asset` fails here. A fresh
+    cache gets the copy, not a build; another recipe (here: other steps) is built, never copied."""
+    import json
+
+    shipped = json.loads((testing.CODE_MODEL_ASSET / testing.CODE_MODEL_RECIPE_FILE).read_text())
+    assert shipped["recipe"] == testing.code_model_recipe(), (
+        "comlrl/assets/code-model is stale: run python scripts/build_code_model.py --write-asset")
+    monkeypatch.setattr(testing, "build_code_model", lambda **_: pytest.fail("built where the copy would do"))
+    path = testing.code_model_dir(cache_dir=tmp_path)
+    assert (path / "model.safetensors").read_bytes() == (testing.CODE_MODEL_ASSET / "model.safetensors").read_bytes()
+    with pytest.raises(pytest.fail.Exception, match="built where"):
+        testing.code_model_dir(steps=599, cache_dir=tmp_path)
+    with pytest.raises(pytest.fail.Exception, match="built where"):
+        testing.code_model_dir(cache_dir=tmp_path / "forced", build=True)
+    recipe = testing.code_model_recipe()
+    assert testing.code_model_recipe(seed=1)["corpus_sha256"] != recipe["corpus_sha256"]
+
+
 @pytest.mark.slow
 def test_the_warm_model_writes_the_task_s_code(tmp_path):
     """The warm model answers held-out problems in the task's shape and passes some but not most:
-    pass@1 0.125 measured (scripts/build_code_model.py; issue 28 asks for 5-50%). The model is built once into the
-    cache."""
+    pass@1 0.125 measured (scripts/build_code_model.py; issue 28 asks for 5-50%). The model is the
+    package's copy (see the test above), or built once into the cache where that copy is stale."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from comlrl.sandbox import Sandbox
