@@ -13,7 +13,8 @@ A trainer family subclasses :class:`Trainer` (or a family's trainer, such as
 The run loop calls a trainer only through :class:`LoopTrainer` (``run_schedule``, ``train_buffer``,
 ``eval_due``, ...; :class:`Trainer` implements all of it) and offers it only :class:`TrainingLoop`
 (``run_epoch``, ``checkpoint``, ``log``): a family with phases of its own (MADPO's pair sets,
-MARLHF's reward model) overrides ``run_schedule`` and calls those three.
+MARLHF's reward model) overrides ``run_schedule`` and calls those three; a phase that trains on
+other buffers passes its own :class:`EpochSchedule` to ``run_epoch``.
 
 Choices are registered by name, one function each: ``register_advantage(name)`` (an estimator
 ``advantage_mode`` can select) and ``register_policy_loss(name)`` (a loss a
@@ -37,7 +38,7 @@ from .engine.config import check_bool, check_choice, check_float, check_int, che
 from .engine.distributed import all_reduce_sum
 from .engine.episode import Node, Turn
 from .engine.metrics import record_turns
-from .engine.schedule import LoopTrainer, TrainingLoop
+from .engine.schedule import EpochSchedule, LoopTrainer, TrainingLoop
 from .engine.settings import TrainerConfig
 from .engine.state import PlayedBuffer, TrainState
 from .engine.step import (ADVANTAGE_WEIGHTS, OLD_LOG_PROBS, AgentRows, StepLoss, concat_rollouts, policy_backward,
@@ -54,7 +55,7 @@ __all__ = [
     # the base classes and their configs
     "Trainer", "TrainerConfig", "MAGRPOTrainer", "MAGRPOConfig",
     # the contract of the run loop and a trainer (engine/schedule.py): what each calls of the other
-    "LoopTrainer", "TrainingLoop",
+    "LoopTrainer", "TrainingLoop", "EpochSchedule",
     # declaring config fields (checked when the config is built)
     "config_class", "setting", "check_int", "check_float", "check_choice", "check_bool", "check_str", "optional",
     # the records the phases hand each other

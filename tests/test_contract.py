@@ -13,12 +13,12 @@ import contextlib
 import importlib
 import inspect
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Protocol
 
 import pytest
 
 from comlrl.engine.loop import RunLoop
-from comlrl.engine.schedule import LoopTrainer, TrainingLoop
+from comlrl.engine.schedule import EpochSchedule, LoopTrainer, TrainingLoop
 from comlrl.extend import Trainer
 
 PACKAGE = Path(__file__).resolve().parents[1] / "comlrl"
@@ -37,10 +37,14 @@ FAMILIES = {
 
 
 def _members(protocol: type) -> tuple[dict[str, object], set[str]]:
-    """A protocol's methods and properties by name, and its data attributes (annotations)."""
-    methods = {name: value for name, value in vars(protocol).items()
-               if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property))}
-    return methods, set(protocol.__annotations__)
+    """A protocol's methods and properties by name, and its data attributes (annotations), its
+    base protocols' included (LoopTrainer has EpochSchedule's)."""
+    methods, data = {}, set()
+    for cls in reversed([c for c in protocol.__mro__ if getattr(c, "_is_protocol", False) and c is not Protocol]):
+        methods.update({name: value for name, value in vars(cls).items()
+                        if not name.startswith("_") and (inspect.isfunction(value) or isinstance(value, property))})
+        data |= set(vars(cls).get("__annotations__", {}))
+    return methods, data
 
 
 def _names(protocol: type) -> set[str]:
@@ -84,12 +88,24 @@ def _annotated(arg: ast.arg, names: tuple[str, ...]) -> bool:
 
 
 def _trainer_aliases(function: ast.AST) -> set[str]:
-    """Names for the trainer in one of the loop's functions: ``t = self.t`` and a parameter
-    annotated as the trainer (``__init__``'s ``trainer``)."""
+    """Names for the trainer in one of the loop's functions: ``t = self.t``, a parameter
+    annotated as the trainer (``__init__``'s ``trainer``), and the schedule an epoch runs on
+    (:func:`_schedule_aliases`: the trainer or a phase's)."""
     aliases = {a.arg for a in function.args.args + function.args.kwonlyargs
                if _annotated(a, ("LoopTrainer", "Trainer"))}
     for node in ast.walk(function):
         if isinstance(node, ast.Assign) and _is_self_t(node.value):
+            aliases |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return aliases | _schedule_aliases(function)
+
+
+def _schedule_aliases(function: ast.AST) -> set[str]:
+    """Names for an epoch's schedule in one of the loop's functions: a parameter annotated as an
+    EpochSchedule, and a name bound to a choice of one (``s = t if schedule is None else schedule``)."""
+    aliases = {a.arg for a in function.args.args + function.args.kwonlyargs if _annotated(a, ("EpochSchedule",))}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.IfExp) and \
+                {n.id for n in (node.value.body, node.value.orelse) if isinstance(n, ast.Name)} & aliases:
             aliases |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     return aliases
 
@@ -125,6 +141,27 @@ def test_the_loop_uses_only_what_the_contract_lists():
     outside = [(line, attr) for line, attr in _loop_uses_of_the_trainer() if attr not in allowed]
     assert not outside, (f"engine/loop.py uses trainer attributes LoopTrainer (engine/schedule.py) does not list "
                          f"(line, name): {outside}; add them to the contract, public and documented")
+
+
+def test_an_epoch_uses_only_the_epoch_schedule_of_its_schedule():
+    """What the loop calls on an epoch's schedule (a phase's, MARLHF's online phase) is
+    EpochSchedule's: the state, evaluation and logging stay the trainer's."""
+    uses = _uses(LOOP_MODULE, lambda node, aliases: isinstance(node, ast.Name) and node.id in aliases,
+                 _schedule_aliases)
+    assert {"epoch_order", "buffer_prompts", "eval_due", "train_buffer"} <= {attr for _, attr in uses}
+    outside = [(line, attr) for line, attr in uses if attr not in _names(EpochSchedule)]
+    assert not outside, f"engine/loop.py uses schedule attributes EpochSchedule does not list: {outside}"
+
+
+def test_marlhf_s_online_phase_is_an_epoch_schedule_and_marlhf_does_not_switch_on_it():
+    """MARLHF runs its online epochs on OnlinePhase (the inner trainer's buffers); the MARLHF
+    trainer's own schedule methods are MADPO's, not forwards chosen by phase."""
+    from comlrl.trainers.preference import MADPOTrainer, MARLHFTrainer
+    from comlrl.trainers.preference.marlhf import OnlinePhase
+
+    assert not _contract_problems(OnlinePhase, EpochSchedule)
+    for name in _names(EpochSchedule):
+        assert getattr(MARLHFTrainer, name) is getattr(MADPOTrainer, name), name
 
 
 def test_no_trainer_calls_into_the_loop_s_privates():

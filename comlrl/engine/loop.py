@@ -25,7 +25,7 @@ from ..tracking import Tracker
 from .timing import PhaseTimer
 
 if TYPE_CHECKING:
-    from .schedule import LoopTrainer
+    from .schedule import EpochSchedule, LoopTrainer
 
 __all__ = ["RunLoop", "check_train_args"]
 
@@ -184,11 +184,13 @@ class RunLoop:
         """Log a family's phase metrics (e.g. reward-model training) at the current env_step."""
         self._log(metrics, self.t.epoch_position(0.0), flush=flush)
 
-    def run_epoch(self, progress: Any) -> None:
-        """Train the rest of the current epoch, buffer by buffer (see
-        :meth:`comlrl.engine.schedule.TrainingLoop.run_epoch`): what ``run_schedule`` calls."""
+    def run_epoch(self, progress: Any, schedule: Optional[EpochSchedule] = None) -> None:
+        """Train the rest of the current epoch, buffer by buffer, on ``schedule``'s buffers (the
+        trainer's by default; see :meth:`comlrl.engine.schedule.TrainingLoop.run_epoch`): what
+        ``run_schedule`` calls."""
         t = self.t
-        epoch, order = t.state.epoch, t.epoch_order(t.state.epoch)
+        s = t if schedule is None else schedule
+        epoch, order = t.state.epoch, s.epoch_order(t.state.epoch)
         if not 0 <= t.state.items_in_epoch < len(order):
             # Never spin: an epoch that cannot advance is a bad counter (a forged or foreign
             # checkpoint) or an empty epoch order, both errors to name.
@@ -198,15 +200,15 @@ class RunLoop:
                                 "checkpoint.")
         while True:
             start = t.state.items_in_epoch
-            indices = order[start:start + t.buffer_prompts()]
+            indices = order[start:start + s.buffer_prompts()]
             if not indices:
-                raise TrainingError(f"epoch {epoch + 1}: a buffer of {t.buffer_prompts()} prompt(s) at prompt {start} "
+                raise TrainingError(f"epoch {epoch + 1}: a buffer of {s.buffer_prompts()} prompt(s) at prompt {start} "
                                     f"of {len(order)} holds none; training would make no progress.")
-            self._evaluate_if_due(start, len(indices), len(order))
+            self._evaluate_if_due(s, start, len(indices), len(order))
             self._raise_tracker_failure()
             steps_before = t.state.global_step
             timer = PhaseTimer(t.device)
-            metrics = t.train_buffer(indices, epoch, timer)
+            metrics = s.train_buffer(indices, epoch, timer)
             metrics.update(timer.metrics())
             t.state.items_in_epoch += len(indices)
             done = t.state.items_in_epoch == len(order)
@@ -220,10 +222,10 @@ class RunLoop:
             if done:
                 return
 
-    def _evaluate_if_due(self, start: int, count: int, size: int) -> None:
+    def _evaluate_if_due(self, schedule: EpochSchedule, start: int, count: int, size: int) -> None:
         """CoMLRL's cadence: before training prompt i of an epoch when ``i % eval_interval == 0``
-        (a family may count otherwise: :meth:`Trainer.eval_due`)."""
-        if self.t.eval_dataset is None or not self.t.eval_due(start, count):
+        (a family may count otherwise: :meth:`Trainer.eval_due`, or its phase's ``schedule``)."""
+        if self.t.eval_dataset is None or not schedule.eval_due(start, count):
             return
         timer = PhaseTimer(self.t.device)
         with timer("eval"):

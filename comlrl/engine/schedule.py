@@ -11,10 +11,11 @@ does not list (``tests/test_contract.py`` reads both sides and checks it)::
            trainer.open_run_trackers(...)
            trainer.total_steps()             the progress bar's length
            trainer.run_schedule(loop, progress)
-             loop.run_epoch(progress)        per epoch (a multi-phase family adds its phases
-               per buffer of buffer_prompts() prompts of epoch_order(epoch):
-                 trainer.eval_due(start, count) -> trainer.evaluate()
-                 trainer.train_buffer(indices, epoch, timer) -> metrics
+             loop.run_epoch(progress[, schedule])   per epoch; schedule: the trainer, or a
+                                             phase's EpochSchedule (MARLHF's online phase)
+               per buffer of schedule.buffer_prompts() prompts of schedule.epoch_order(epoch):
+                 schedule.eval_due(start, count) -> trainer.evaluate()
+                 schedule.train_buffer(indices, epoch, timer) -> metrics
                  log at env_step (row's epoch: trainer.epoch_position(...))
                  checkpoint when due -> trainer.save_run_checkpoint(number, limit)
              loop.log(metrics) / loop.checkpoint()   a family's phase boundary (MADPO, MARLHF)
@@ -23,7 +24,9 @@ does not list (``tests/test_contract.py`` reads both sides and checks it)::
 :class:`comlrl.engine.trainer.Trainer` implements every :class:`LoopTrainer` method; a family
 overrides the ones its schedule changes (``train_buffer`` always, through ``collect`` and
 ``optimizer_step`` or directly; MADPO and MARLHF also ``run_schedule``, ``is_complete``,
-``total_steps`` and ``eval_due``).
+``total_steps`` and ``eval_due``). A family whose phases train on different buffers runs each
+phase's epochs with that phase's :class:`EpochSchedule` (MARLHF's online phase: its inner
+trainer's buffers), so the trainer's own methods never switch on the phase.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
     from .state import TrainState
     from .timing import PhaseTimer
 
-__all__ = ["LoopTrainer", "TrainingLoop"]
+__all__ = ["EpochSchedule", "LoopTrainer", "TrainingLoop"]
 
 
 @runtime_checkable
@@ -51,11 +54,13 @@ class TrainingLoop(Protocol):
     #: The run's checkpoint directory (``train(checkpoint_dir=...)``), or None when it has none.
     checkpoint_dir: Optional[Path]
 
-    def run_epoch(self, progress: Any) -> None:
+    def run_epoch(self, progress: Any, schedule: "Optional[EpochSchedule]" = None) -> None:
         """Train the rest of the current epoch (``trainer.state.epoch``), buffer by buffer, from
         ``state.items_in_epoch``: evaluate when due, train the buffer, log, checkpoint when due.
         Returns once the epoch is done (``state.epoch`` is then one more). ``progress`` is the
-        bar the loop passed to ``run_schedule``."""
+        bar the loop passed to ``run_schedule``. ``schedule`` (default: the trainer) is what the
+        epoch's buffers come from and are trained by: a phase of a multi-phase family (MARLHF's
+        online phase) passes its own."""
         ...
 
     def checkpoint(self) -> None:
@@ -69,10 +74,39 @@ class TrainingLoop(Protocol):
 
 
 @runtime_checkable
-class LoopTrainer(Protocol):
-    """What the run loop needs from a trainer: every attribute and method the loop uses, public.
-    :class:`comlrl.engine.trainer.Trainer` provides all of them; the methods are the schedule
-    hooks a family may override."""
+class EpochSchedule(Protocol):
+    """What one epoch of buffers is made of and trained by: the trainer's own (every
+    :class:`LoopTrainer` is one), or a phase's that a multi-phase family hands to
+    ``loop.run_epoch(progress, schedule)``. The state the loop advances, evaluation and logging
+    stay the trainer's."""
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        """The items (dataset rows, pairs) of ``epoch`` in training order; called at the start of
+        every ``run_epoch`` (a pure function of the seed and the epoch)."""
+        ...
+
+    def buffer_prompts(self) -> int:
+        """How many items of the epoch order one buffer takes; called for every buffer."""
+        ...
+
+    def eval_due(self, start: int, count: int) -> bool:
+        """Whether to evaluate before the buffer of items ``start .. start + count`` of the epoch;
+        called before every buffer when there is an eval_dataset."""
+        ...
+
+    def train_buffer(self, indices: list[int], epoch: int, timer: "PhaseTimer") -> dict[str, float]:
+        """Train on one buffer (``indices`` into the epoch's items) of ``epoch``, timing phases with
+        ``timer``; advances ``state.global_step`` / ``state.env_step`` and returns the buffer's
+        metrics. The loop then advances ``state.items_in_epoch`` (and ``state.epoch``), logs and
+        checkpoints when due."""
+        ...
+
+
+@runtime_checkable
+class LoopTrainer(EpochSchedule, Protocol):
+    """What the run loop needs from a trainer: every attribute and method the loop uses, public
+    (with :class:`EpochSchedule`'s). :class:`comlrl.engine.trainer.Trainer` provides all of them;
+    the methods are the schedule hooks a family may override."""
 
     # --- what the loop reads (and tracker_notes, which it writes) ------------------------------------
     args: "TrainerConfig"                 #: the config (num_train_epochs, logging_steps, tracker_failure)
@@ -108,29 +142,8 @@ class LoopTrainer(Protocol):
         called once, when the bar is made."""
         ...
 
-    def epoch_order(self, epoch: int) -> list[int]:
-        """The items (dataset rows, pairs) of ``epoch`` in training order; called at the start of
-        every ``run_epoch`` (a pure function of the seed and the epoch)."""
-        ...
-
-    def buffer_prompts(self) -> int:
-        """How many items of the epoch order one buffer takes; called for every buffer."""
-        ...
-
-    def eval_due(self, start: int, count: int) -> bool:
-        """Whether to evaluate before the buffer of items ``start .. start + count`` of the epoch;
-        called before every buffer when there is an eval_dataset."""
-        ...
-
     def evaluate(self, num_eval_samples: Optional[int] = None) -> dict[str, float]:
         """The eval metrics (``eval/...``); called with no argument when :meth:`eval_due` says so."""
-        ...
-
-    def train_buffer(self, indices: list[int], epoch: int, timer: "PhaseTimer") -> dict[str, float]:
-        """Train on one buffer (``indices`` into the epoch's items) of ``epoch``, timing phases with
-        ``timer``; advances ``state.global_step`` / ``state.env_step`` and returns the buffer's
-        metrics. The loop then advances ``state.items_in_epoch`` (and ``state.epoch``), logs and
-        checkpoints when due."""
         ...
 
     def epoch_position(self, epoch: float) -> float:

@@ -276,8 +276,9 @@ class MARLHFTrainer(MADPOTrainer):
             self._phase = "rl"
             self.state.epoch, self.state.items_in_epoch = 0, 0
             loop.checkpoint()
+        online = OnlinePhase(self)
         while self.state.epoch < self.args.num_train_epochs:
-            loop.run_epoch(progress)
+            loop.run_epoch(progress, online)
 
     def _train_reward_model(self, loop: TrainingLoop) -> None:
         """reward_num_train_epochs of the Bradley-Terry loss over the pair set, reward_train_batch_size
@@ -318,33 +319,12 @@ class MARLHFTrainer(MADPOTrainer):
         loop.log({k.replace("reward_model/", "reward_model/final_"): v for k, v in last.items()})  # epochs >= 1
 
     # --- the online phase: the inner trainer's buffers on this trainer's loop ------------------------
-    def epoch_order(self, epoch: int) -> list[int]:
-        return self.rl.epoch_order(epoch) if self._phase == "rl" else super().epoch_order(epoch)
-
-    def buffer_prompts(self) -> int:
-        return self.rl.buffer_prompts() if self._phase == "rl" else super().buffer_prompts()
-
-    def _step_prompts(self) -> int:
-        return self.rl._step_prompts() if self._phase == "rl" else super()._step_prompts()
-
     def total_steps(self) -> Optional[int]:
         return self.rl.total_steps() if self._phase == "rl" else None
 
-    def eval_due(self, start: int, count: int) -> bool:
-        return self.rl.eval_due(start, count) if self._phase == "rl" else super().eval_due(start, count)
-
-    def train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
-        if self._phase != "rl":
-            return super().train_buffer(indices, epoch, timer)
-        self._task_rewards = []
-        metrics = self.rl.train_buffer(indices, epoch, timer)
-        # train/reward_* stay the TASK's reward throughout the run; the reward model's are learned_reward_*.
-        metrics = {(k.replace("train/reward_", "train/learned_reward_") if k.startswith("train/reward_") else k): v
-                   for k, v in metrics.items()}
-        task = [r for part in dist.gather_objects(self._task_rewards, self.dist) for r in part]  # in rank order
-        if task:
-            metrics["train/task_reward_mean"] = metrics["train/reward_mean"] = float(np.mean(task))
-        return metrics
+    def _check_world(self) -> None:
+        super()._check_world()
+        self.rl._check_world()  # the online phase's optimizer steps, whatever phase a resume starts in
 
     def _reset_pending(self) -> None:
         super()._reset_pending()
@@ -370,3 +350,33 @@ class MARLHFTrainer(MADPOTrainer):
 
     def _run_config_extra(self) -> dict[str, Any]:
         return {**super()._run_config_extra(), "rl_algorithm": self.args.rl_algorithm}
+
+
+class OnlinePhase:
+    """MARLHF's online phase as the loop sees it (an :class:`~comlrl.engine.schedule.EpochSchedule`):
+    the inner trainer's buffers, scored by the frozen reward model, on the MARLHF trainer's loop,
+    state and checkpoints. Its rows keep ``train/reward_*`` the TASK's reward (``train/task_reward_mean``
+    too); the reward model's scores are ``train/learned_reward_*``."""
+
+    def __init__(self, trainer: MARLHFTrainer):
+        self.trainer, self.rl = trainer, trainer.rl
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        return self.rl.epoch_order(epoch)
+
+    def buffer_prompts(self) -> int:
+        return self.rl.buffer_prompts()
+
+    def eval_due(self, start: int, count: int) -> bool:
+        return self.rl.eval_due(start, count)
+
+    def train_buffer(self, indices: list[int], epoch: int, timer: PhaseTimer) -> dict[str, float]:
+        trainer = self.trainer
+        trainer._task_rewards = []
+        metrics = self.rl.train_buffer(indices, epoch, timer)
+        metrics = {(k.replace("train/reward_", "train/learned_reward_") if k.startswith("train/reward_") else k): v
+                   for k, v in metrics.items()}
+        task = [r for part in dist.gather_objects(trainer._task_rewards, trainer.dist) for r in part]  # rank order
+        if task:
+            metrics["train/task_reward_mean"] = metrics["train/reward_mean"] = float(np.mean(task))
+        return metrics
