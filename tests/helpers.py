@@ -5,7 +5,8 @@ from pathlib import Path
 from comlrl.testing import SEED_PROMPTS, length_ratio_reward
 
 __all__ = ["SEED_PROMPTS", "TEST_SETTINGS", "length_ratio_reward", "state_of", "assert_bit_exact", "rows", "play",
-           "record_gradients", "assert_same_gradients", "GRADIENT_RTOL", "adamw_divergence_bound", "write_config"]
+           "record_gradients", "assert_same_gradients", "GRADIENT_RTOL", "adamw_divergence_bound", "write_config",
+           "forked", "run_cli", "worker_errors"]
 
 # What most tests train with, set explicitly rather than relying on the (CoMLRL 1.4.3) defaults:
 # one turn, one prompt per optimizer step, plain sampling, the GRPO token-mean loss.
@@ -144,3 +145,58 @@ def write_config(tmp_path: Path, args: str = "", trainer_extra: str = "") -> Pat
     max_new_tokens: 8
 {args}""")
     return config
+
+
+# --- worker processes without their imports ------------------------------------------------------------
+
+_FORK_SERVER = []  # the forkserver context, made on first use
+
+
+def forked(target, run_dir, *args, cwd=None):
+    """A started process running ``target(run_dir, *args)`` (a function of a module in tests/, e.g.
+    ``kill_worker.main``), forked from a server that imported the test workers (torch,
+    transformers, comlrl) once: each run is a process of its own, killed with SIGKILL as any, but
+    without 5-8 s of imports per run. It gets this process's environment as it is now, and works
+    in ``cwd`` (default: this process's). The child writes its stdout and stderr to
+    ``RUN_DIR/worker.out`` and ``RUN_DIR/worker.err`` (:func:`worker_errors`), appended."""
+    import multiprocessing
+    import os
+
+    if not _FORK_SERVER:
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["kill_worker", "tracking_worker"])
+        _FORK_SERVER.append(context)
+    proc = _FORK_SERVER[0].Process(target=_in_child, args=(dict(os.environ), str(cwd or os.getcwd()), target,
+                                                           str(run_dir), *args))
+    proc.start()
+    return proc
+
+
+def _in_child(environ, cwd, target, run_dir, *args):
+    import os
+
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    for fd, name in ((1, "worker.out"), (2, "worker.err")):
+        os.dup2(os.open(Path(run_dir) / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND), fd)
+    target(Path(run_dir), *args)
+
+
+def run_cli(_run_dir: Path, argv: list) -> None:
+    """``comlrl.cli.main(argv)`` as a forked process's whole life (:func:`forked`): its exit status
+    is the command's (multiprocessing takes SystemExit's code, argparse's exits included)."""
+    import os
+    import sys
+
+    from comlrl.cli import main
+
+    os.environ["COMLRL_DISABLE_PROGRESS"] = "1"
+    sys.exit(main(argv))
+
+
+def worker_errors(run_dir) -> str:
+    """The end of what the workers forked for ``run_dir`` wrote to stderr."""
+    err = Path(run_dir) / "worker.err"
+    return err.read_text(errors="replace")[-3000:] if err.exists() else ""

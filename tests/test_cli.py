@@ -1,4 +1,6 @@
-"""The ``comlrl`` command line end to end (subprocesses of ``python -m comlrl``), and its parts in process.
+"""The ``comlrl`` command line end to end (each command in a process of its own: ``python -m comlrl``
+for the seed run and ``--version``, the others forked with torch already imported), and its parts
+in process.
 
 One seed run is trained once per module (2 epochs, 8 tokens, W&B offline) and then listed, resumed,
 exported and plotted; the error cases check the one-line messages that name the key and the file.
@@ -18,7 +20,7 @@ import torch
 
 from comlrl.cli import main
 from comlrl.cli.yamlconf import CliError, Document, load_document, parse_value
-from helpers import write_config
+from helpers import forked, run_cli, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "examples" / "configs" / "seed.yaml"
@@ -29,6 +31,26 @@ pytestmark = pytest.mark.xdist_group("cli")
 
 
 def comlrl(*args: str, cwd: Path, expect: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``comlrl ARGS`` in ``cwd``: ``comlrl.cli.main`` in a process of its own, forked without
+    importing torch and transformers again (``helpers.forked``); its exit status, stdout and stderr.
+    (``python -m comlrl`` itself: :func:`comlrl_subprocess`.)"""
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="cli-run-"))
+    proc = forked(run_cli, out, list(args), cwd=cwd)
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    result = subprocess.CompletedProcess(["comlrl", *args], proc.exitcode, (out / "worker.out").read_text(),
+                                         (out / "worker.err").read_text())
+    shutil.rmtree(out, ignore_errors=True)
+    assert result.returncode == expect, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return result
+
+
+def comlrl_subprocess(*args: str, cwd: Path, expect: int = 0, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python -m comlrl ARGS`` in ``cwd``, a fresh interpreter: the entry point itself."""
     result = subprocess.run([sys.executable, "-m", "comlrl", *args], cwd=cwd, capture_output=True, text=True,
                             timeout=timeout, env={**os.environ, "COMLRL_DISABLE_PROGRESS": "1"})
     assert result.returncode == expect, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
@@ -44,7 +66,8 @@ def wandb_flags(tmp: Path) -> list[str]:
 def seed_run(tmp_path_factory):
     """The example seed config trained for its 2 epochs, a checkpoint after each."""
     work = tmp_path_factory.mktemp("cli")
-    result = comlrl("train", str(SEED), *FAST, "--checkpoint_dir", "runs/seed", *wandb_flags(work), cwd=work)
+    result = comlrl_subprocess("train", str(SEED), *FAST, "--checkpoint_dir", "runs/seed", *wandb_flags(work),
+                               cwd=work)
     return work, work / "runs" / "seed", result
 
 
@@ -296,7 +319,7 @@ def test_plot_without_matplotlib_says_what_to_install(seed_run, monkeypatch, cap
 def test_version(tmp_path):
     from comlrl import __version__
 
-    assert comlrl("--version", cwd=tmp_path).stdout.strip() == f"comlrl {__version__}"
+    assert comlrl_subprocess("--version", cwd=tmp_path).stdout.strip() == f"comlrl {__version__}"
 
 
 # --- user errors: one line naming the key and the file, exit status 2, no traceback -------------

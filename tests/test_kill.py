@@ -4,18 +4,17 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import forked, worker_errors
 from safetensors.torch import load_file
 
 
 pytestmark = pytest.mark.slow  # the fast suite: pytest -m "not slow"
-WORKER = Path(__file__).with_name("kill_worker.py")
+
 TRIALS = int(os.environ.get("COMLRL_KILL_TRIALS", "4"))
 
 
@@ -23,12 +22,12 @@ def run_worker(run_dir, kill_after=None, slow_save=0.0, family="magrpo", in_save
     """Run the worker; with kill_after, SIGKILL it that many seconds after training starts. With
     in_save (seconds), wait after that for the next checkpoint save to begin (its staging folder to
     appear) and kill in_save seconds into it."""
-    env = {**os.environ, "KILL_WORKER_SLOW_SAVE": str(slow_save), "KILL_WORKER_FAMILY": family}
-    proc = subprocess.Popen([sys.executable, str(WORKER), str(run_dir)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env=env)
+    import kill_worker
+
+    proc = forked(kill_worker.main, run_dir, slow_save, family)
     if kill_after is None:
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, err.decode()[-3000:]
+        proc.join(timeout=600)
+        assert proc.exitcode == 0, f"exit {proc.exitcode}: {worker_errors(run_dir)}"
         return False
     metrics = run_dir / "ckpt" / "metrics.jsonl"
 
@@ -37,17 +36,16 @@ def run_worker(run_dir, kill_after=None, slow_save=0.0, family="magrpo", in_save
 
     before = set(staging())
     deadline = time.time() + 300
-    while not metrics.exists() and proc.poll() is None and time.time() < deadline:
+    while not metrics.exists() and proc.is_alive() and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(kill_after)
     if in_save is not None:  # a staging folder of this run's (one of a killed run's may still be there)
-        while proc.poll() is None and time.time() < deadline and set(staging()) <= before:
+        while proc.is_alive() and time.time() < deadline and set(staging()) <= before:
             time.sleep(0.002)
         time.sleep(in_save)
-    finished = proc.poll() is not None
-    if not finished:
+    if proc.is_alive():
         os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    proc.join()
     return bool(set(staging()) - before)  # killed inside a save
 
 

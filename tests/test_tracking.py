@@ -22,9 +22,8 @@ from comlrl.tracking import StepFilter, active_trackers
 from comlrl.tracking.tensorboard import read_scalars
 from comlrl.utils import find_latest_checkpoint, read_checkpoint_metadata
 
-from helpers import rows
+from helpers import forked, rows, worker_errors
 
-WORKER = Path(__file__).with_name("tracking_worker.py")
 EVAL = [{"prompt": p} for p in ("Tell a joke about rain:", "Name three colours:")]
 TRACKED = dict(eval_interval=4, eval_num_samples=2, report_to=["jsonl", "tensorboard", "mlflow"])
 
@@ -289,21 +288,20 @@ def mlflow_server(tmp_path_factory):
 
 def run_worker(run_dir, experiment, uri, stall_after=0):
     """Run the worker to the end, or (stall_after) until it logged that many rows, then kill -9 it."""
+    import tracking_worker
+
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "TRACKING_WORKER_STALL_AFTER": str(stall_after)}
-    worker = subprocess.Popen([sys.executable, str(WORKER), str(run_dir), experiment], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, env=env)
+    worker = forked(tracking_worker.main, run_dir, experiment, uri, stall_after)
     if not stall_after:
-        _, err = worker.communicate(timeout=600)
-        assert worker.returncode == 0, err.decode()[-3000:]
+        worker.join(timeout=600)
+        assert worker.exitcode == 0, f"exit {worker.exitcode}: {worker_errors(run_dir)}"
         return None
     deadline = time.time() + 300
     while not (run_dir / "stalled").exists():
-        assert worker.poll() is None and time.time() < deadline, worker.stderr.read().decode()[-3000:]
+        assert worker.is_alive() and time.time() < deadline, worker_errors(run_dir)
         time.sleep(0.05)
     os.kill(worker.pid, signal.SIGKILL)
-    worker.wait()
-    worker.stderr.close()
+    worker.join()
     return int((run_dir / "stalled").read_text())
 
 
