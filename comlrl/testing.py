@@ -141,10 +141,13 @@ def _publish(target: Path, fill) -> Path:
     cannot collide: the first rename wins, the others' folders are removed)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.parent / f".{target.name}.{uuid.uuid4().hex[:8]}"
-    fill(tmp)
     try:
+        fill(tmp)
         os.rename(tmp, target)
-    except OSError:  # another process built it first
+    except OSError:
+        if not (target / "config.json").is_file():  # not another process's finished build: a real failure
+            raise
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
 
@@ -418,35 +421,65 @@ def code_model_recipe(steps: int = 600, seed: int = 0) -> dict:
     for prompt, completion in code_sft_corpus(seed):
         digest.update(f"{len(prompt)}:{prompt}{len(completion)}:{completion}".encode())
     digest.update(_CORPUS.encode())
-    return {"version": _CODE_MODEL_VERSION, "steps": steps, "seed": seed, **_BUILD_DEFAULTS, "shape": CODE_MODEL_SHAPE,
+    return {"version": _CODE_MODEL_VERSION, "steps": steps, "seed": seed, **_BUILD_DEFAULTS, "shape": dict(CODE_MODEL_SHAPE),
             "corpus_sha256": digest.hexdigest()}
 
 
-def _asset_recipe() -> Optional[dict]:
+def _asset_record() -> Optional[dict]:
+    """The package copy's ``comlrl_recipe.json``, when the copy is whole: every file it lists
+    present with its SHA-256."""
     import json
 
     try:
-        recipe = json.loads((CODE_MODEL_ASSET / CODE_MODEL_RECIPE_FILE).read_text())
-    except (OSError, ValueError):
+        record = json.loads((CODE_MODEL_ASSET / CODE_MODEL_RECIPE_FILE).read_text())
+        files = record["files"]
+        if sorted(files) != sorted(_CODE_MODEL_FILES) or any(
+                _sha256(CODE_MODEL_ASSET / name) != digest for name, digest in files.items()):
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    return recipe.get("recipe") if isinstance(recipe, dict) else None
+    return record
 
 
-def write_code_model_asset(source: Path, steps: int = 600, seed: int = 0, destination: Path = CODE_MODEL_ASSET
-                           ) -> Path:
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def write_code_model_asset(source: Path, steps: int = 600, seed: int = 0,
+                           destination: Optional[Path] = None) -> Path:
     """Copy a model directory that :func:`build_code_model` built with ``steps``/``seed`` into
-    ``destination`` (the package's copy by default), with its recipe and where it was built."""
+    ``destination`` (default: the package's copy, :data:`CODE_MODEL_ASSET`), with its recipe, each
+    file's SHA-256 and where it was built. Replaces an earlier copy whole (written beside it, then
+    swapped in); refuses a folder that is not one."""
     import json
 
-    destination.mkdir(parents=True, exist_ok=True)
-    for old in destination.iterdir():
-        old.unlink()
-    for name in _CODE_MODEL_FILES:
-        shutil.copyfile(Path(source) / name, destination / name)
+    destination = Path(CODE_MODEL_ASSET if destination is None else destination)
+    if destination.exists() and any(destination.iterdir()) and not (destination / CODE_MODEL_RECIPE_FILE).is_file():
+        raise FileExistsError(f"{destination} holds files but no {CODE_MODEL_RECIPE_FILE}: not a code-model copy; "
+                              "choose an empty or new folder")
     built_with = {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability()}
-    (destination / CODE_MODEL_RECIPE_FILE).write_text(
-        json.dumps({"recipe": code_model_recipe(steps, seed), "built_with": built_with}, indent=1) + "\n")
-    return destination
+
+    def fill(tmp: Path) -> None:
+        tmp.mkdir()
+        for name in _CODE_MODEL_FILES:
+            shutil.copyfile(Path(source) / name, tmp / name)
+        record = {"recipe": code_model_recipe(steps, seed), "built_with": built_with,
+                  "files": {name: _sha256(tmp / name) for name in _CODE_MODEL_FILES}}
+        (tmp / CODE_MODEL_RECIPE_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+    old = destination.parent / f".{destination.name}.old-{uuid.uuid4().hex[:8]}"
+    if destination.exists():
+        os.rename(destination, old)
+    try:
+        return _publish(destination, fill)
+    except BaseException:
+        if old.exists() and not destination.exists():
+            os.rename(old, destination)
+        raise
+    finally:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 _CODE_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -457,15 +490,18 @@ def code_model_dir(steps: int = 600, seed: int = 0, cache_dir: Optional[str | os
                    log_every: int = 0, build: bool = False) -> Path:
     """Path of the small code model (:func:`build_code_model`) in the cache (``$COMLRL_CACHE`` or
     ``~/.cache/comlrl``). On first use it is copied there from the package's copy
-    (:data:`CODE_MODEL_ASSET`) when that copy's recipe is :func:`code_model_recipe` ``(steps,
-    seed)``; otherwise, or with ``build=True`` (or ``COMLRL_BUILD_CODE_MODEL=1``), it is built
-    here (a few minutes on 2 CPU cores)."""
+    (:data:`CODE_MODEL_ASSET`) when that copy is whole (each file's SHA-256) and its recipe is
+    :func:`code_model_recipe` ``(steps, seed)``; otherwise, or with ``build=True`` (or
+    ``COMLRL_BUILD_CODE_MODEL=1``), it is built here (a few minutes on 2 CPU cores). The cache is
+    keyed by ``_CODE_MODEL_VERSION``, steps and seed: a change to the build bumps the version, or
+    caches made before it are used as they are."""
     root = Path(cache_dir) if cache_dir is not None else cache_root() / "tiny-models"
     build = build or os.environ.get("COMLRL_BUILD_CODE_MODEL") == "1"
     target = root / f"code-v{_CODE_MODEL_VERSION}-n{steps}-s{seed}{'-built' if build else ''}"
     if (target / "config.json").is_file() and (target / "tokenizer.json").is_file():
         return target
-    if not build and _asset_recipe() == code_model_recipe(steps, seed):
-        return _publish(target, lambda tmp: shutil.copytree(CODE_MODEL_ASSET, tmp))
+    record = None if build else _asset_record()
+    if record is not None and record.get("recipe") == code_model_recipe(steps, seed):
+        return _publish(target, lambda tmp: shutil.copytree(CODE_MODEL_ASSET, tmp, copy_function=shutil.copyfile))
     model, tokenizer = build_code_model(steps=steps, seed=seed, log_every=log_every)
     return _save_model_dir(model, tokenizer, target)

@@ -32,7 +32,9 @@ def main() -> None:
     from comlrl.testing import code_model_dir, write_code_model_asset
 
     wall, cpu = time.perf_counter(), time.process_time()
-    path = code_model_dir(steps=args.steps, seed=args.seed, cache_dir=args.cache_dir, log_every=25,
+    # --write-asset builds afresh (a cached build may predate a change to the corpus or training).
+    cache_dir = tempfile.mkdtemp(prefix="code-model-build-") if args.write_asset else args.cache_dir
+    path = code_model_dir(steps=args.steps, seed=args.seed, cache_dir=cache_dir, log_every=25,
                           build=args.write_asset)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     if args.write_asset:

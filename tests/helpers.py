@@ -6,7 +6,7 @@ from comlrl.testing import SEED_PROMPTS, length_ratio_reward
 
 __all__ = ["SEED_PROMPTS", "TEST_SETTINGS", "length_ratio_reward", "state_of", "assert_bit_exact", "rows", "play",
            "record_gradients", "assert_same_gradients", "GRADIENT_RTOL", "adamw_divergence_bound", "write_config",
-           "forked", "run_cli", "worker_errors"]
+           "forked", "finish", "stop", "run_cli", "worker_errors"]
 
 # What most tests train with, set explicitly rather than relying on the (CoMLRL 1.4.3) defaults:
 # one turn, one prompt per optimizer step, plain sampling, the GRPO token-mean loss.
@@ -150,26 +150,58 @@ def write_config(tmp_path: Path, args: str = "", trainer_extra: str = "") -> Pat
 # --- worker processes without their imports ------------------------------------------------------------
 
 _FORK_SERVER = []  # the forkserver context, made on first use
+_LIVE = []         # every process forked, so that none outlives this one
+_PRELOAD = ["torch", "safetensors.torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "comlrl",
+            "comlrl.testing", "comlrl.trainers.reinforce", "comlrl.trainers.actor_critic",
+            "comlrl.trainers.preference", "comlrl.cli", "comlrl.tracking.mlflow", "mlflow"]
 
 
 def forked(target, run_dir, *args, cwd=None):
     """A started process running ``target(run_dir, *args)`` (a function of a module in tests/, e.g.
-    ``kill_worker.main``), forked from a server that imported the test workers (torch,
-    transformers, comlrl) once: each run is a process of its own, killed with SIGKILL as any, but
-    without 5-8 s of imports per run. It gets this process's environment as it is now, and works
-    in ``cwd`` (default: this process's). The child writes its stdout and stderr to
-    ``RUN_DIR/worker.out`` and ``RUN_DIR/worker.err`` (:func:`worker_errors`), appended."""
+    ``kill_worker.main``), forked from a server that imported torch, transformers and comlrl once
+    (:data:`_PRELOAD`): each run is a process of its own, killed with SIGKILL as any, but without
+    5-8 s of imports per run. It works in ``cwd`` (default: this process's) with this process's
+    environment as it is now for what reads it at run time; what a module read when the server
+    imported it (HF_HUB_OFFLINE, OMP_NUM_THREADS: tests/conftest.py sets them first) is the
+    server's. The child appends its stdout and stderr to ``RUN_DIR/worker.out`` and
+    ``RUN_DIR/worker.err`` (:func:`worker_errors`). :func:`finish` waits for it; any still running
+    when this process exits is killed (never waited for)."""
+    import atexit
     import multiprocessing
     import os
 
     if not _FORK_SERVER:
         context = multiprocessing.get_context("forkserver")
-        context.set_forkserver_preload(["kill_worker", "tracking_worker"])
+        # Modules the server can import from its own sys.path (Python 3.11's server does not get
+        # this process's, so tests/ is not on it: the workers themselves are imported per child).
+        context.set_forkserver_preload(_PRELOAD)
         _FORK_SERVER.append(context)
+        atexit.register(_kill_live)  # after multiprocessing's own exit handler, so it runs first
     proc = _FORK_SERVER[0].Process(target=_in_child, args=(dict(os.environ), str(cwd or os.getcwd()), target,
                                                            str(run_dir), *args))
     proc.start()
+    _LIVE.append(proc)
     return proc
+
+
+def finish(proc, timeout: float = 600):
+    """Wait up to ``timeout`` s for a :func:`forked` process; kill it if it still runs. Its exit
+    code (negative: the signal that ended it)."""
+    proc.join(timeout)
+    stop(proc)
+    return proc.exitcode
+
+
+def stop(proc) -> None:
+    """SIGKILL a :func:`forked` process if it still runs, and reap it."""
+    if proc.is_alive():
+        proc.kill()
+    proc.join()
+
+
+def _kill_live() -> None:
+    for proc in _LIVE:
+        stop(proc)
 
 
 def _in_child(environ, cwd, target, run_dir, *args):
@@ -186,14 +218,23 @@ def _in_child(environ, cwd, target, run_dir, *args):
 
 def run_cli(_run_dir: Path, argv: list) -> None:
     """``comlrl.cli.main(argv)`` as a forked process's whole life (:func:`forked`): its exit status
-    is the command's (multiprocessing takes SystemExit's code, argparse's exits included)."""
+    is the command's (multiprocessing takes SystemExit's code, argparse's exits included), after
+    the exit handlers a real interpreter exit runs."""
+    import atexit
     import os
     import sys
 
     from comlrl.cli import main
 
     os.environ["COMLRL_DISABLE_PROGRESS"] = "1"
-    sys.exit(main(argv))
+    code = 1
+    try:
+        code = main(argv)
+    except SystemExit as stop_:  # argparse: --help, usage errors
+        code = stop_.code
+    finally:  # what a real exit of `comlrl` runs (a forked child's own exit skips it)
+        atexit._run_exitfuncs()
+    sys.exit(code)
 
 
 def worker_errors(run_dir) -> str:

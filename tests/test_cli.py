@@ -20,7 +20,7 @@ import torch
 
 from comlrl.cli import main
 from comlrl.cli.yamlconf import CliError, Document, load_document, parse_value
-from helpers import forked, run_cli, write_config
+from helpers import finish, forked, run_cli, write_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SEED = ROOT / "examples" / "configs" / "seed.yaml"
@@ -37,12 +37,8 @@ def comlrl(*args: str, cwd: Path, expect: int = 0, timeout: int = 300) -> subpro
     import tempfile
 
     out = Path(tempfile.mkdtemp(prefix="cli-run-"))
-    proc = forked(run_cli, out, list(args), cwd=cwd)
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()
-    result = subprocess.CompletedProcess(["comlrl", *args], proc.exitcode, (out / "worker.out").read_text(),
+    code = finish(forked(run_cli, out, list(args), cwd=cwd), timeout)
+    result = subprocess.CompletedProcess(["comlrl", *args], code, (out / "worker.out").read_text(),
                                          (out / "worker.err").read_text())
     shutil.rmtree(out, ignore_errors=True)
     assert result.returncode == expect, f"exit {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"

@@ -49,6 +49,7 @@ def test_the_package_s_copy_is_what_the_script_builds_now(tmp_path, monkeypatch)
     cache gets the copy, not a build; another recipe (here: other steps) is built, never copied."""
     import json
 
+    monkeypatch.delenv("COMLRL_BUILD_CODE_MODEL", raising=False)
     shipped = json.loads((testing.CODE_MODEL_ASSET / testing.CODE_MODEL_RECIPE_FILE).read_text())
     assert shipped["recipe"] == testing.code_model_recipe(), (
         "comlrl/assets/code-model is stale: run python scripts/build_code_model.py --write-asset")
@@ -61,6 +62,32 @@ def test_the_package_s_copy_is_what_the_script_builds_now(tmp_path, monkeypatch)
         testing.code_model_dir(cache_dir=tmp_path / "forced", build=True)
     recipe = testing.code_model_recipe()
     assert testing.code_model_recipe(seed=1)["corpus_sha256"] != recipe["corpus_sha256"]
+
+
+def test_a_damaged_or_foreign_copy_is_never_used_or_overwritten(tmp_path, monkeypatch):
+    """A copy whose file differs from its recorded SHA-256 (a bit flip, a half-installed wheel) is
+    built over, not copied; writing a copy refuses a folder that holds something else."""
+    import shutil
+
+    monkeypatch.delenv("COMLRL_BUILD_CODE_MODEL", raising=False)
+    damaged = tmp_path / "asset"
+    shutil.copytree(testing.CODE_MODEL_ASSET, damaged)
+    weights = bytearray((damaged / "model.safetensors").read_bytes())
+    weights[-1] ^= 1
+    (damaged / "model.safetensors").write_bytes(bytes(weights))
+    monkeypatch.setattr(testing, "CODE_MODEL_ASSET", damaged)
+    monkeypatch.setattr(testing, "build_code_model", lambda **_: pytest.fail("built"))
+    with pytest.raises(pytest.fail.Exception, match="built"):
+        testing.code_model_dir(cache_dir=tmp_path / "cache")
+    (damaged / "model.safetensors").unlink()
+    with pytest.raises(pytest.fail.Exception, match="built"):
+        testing.code_model_dir(cache_dir=tmp_path / "cache")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a code-model copy"):
+        testing.write_code_model_asset(testing.CODE_MODEL_ASSET, destination=foreign)
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
 
 
 @pytest.mark.slow

@@ -3,13 +3,12 @@
 import json
 import os
 import random
-import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import forked, worker_errors
+from helpers import finish, forked, stop, worker_errors
 from safetensors.torch import load_file
 
 
@@ -26,8 +25,8 @@ def run_worker(run_dir, kill_after=None, slow_save=0.0, family="magrpo", in_save
 
     proc = forked(kill_worker.main, run_dir, slow_save, family)
     if kill_after is None:
-        proc.join(timeout=600)
-        assert proc.exitcode == 0, f"exit {proc.exitcode}: {worker_errors(run_dir)}"
+        code = finish(proc, 600)
+        assert code == 0, f"exit {code}: {worker_errors(run_dir)}"
         return False
     metrics = run_dir / "ckpt" / "metrics.jsonl"
 
@@ -36,16 +35,16 @@ def run_worker(run_dir, kill_after=None, slow_save=0.0, family="magrpo", in_save
 
     before = set(staging())
     deadline = time.time() + 300
-    while not metrics.exists() and proc.is_alive() and time.time() < deadline:
-        time.sleep(0.01)
-    time.sleep(kill_after)
-    if in_save is not None:  # a staging folder of this run's (one of a killed run's may still be there)
-        while proc.is_alive() and time.time() < deadline and set(staging()) <= before:
-            time.sleep(0.002)
-        time.sleep(in_save)
-    if proc.is_alive():
-        os.kill(proc.pid, signal.SIGKILL)
-    proc.join()
+    try:
+        while not metrics.exists() and proc.is_alive() and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(kill_after)
+        if in_save is not None:  # a staging folder of this run's (one of a killed run's may still be there)
+            while proc.is_alive() and time.time() < deadline and set(staging()) <= before:
+                time.sleep(0.002)
+            time.sleep(in_save)
+    finally:
+        stop(proc)  # SIGKILL, wherever the waiting ended
     return bool(set(staging()) - before)  # killed inside a save
 
 

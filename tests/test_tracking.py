@@ -22,7 +22,7 @@ from comlrl.tracking import StepFilter, active_trackers
 from comlrl.tracking.tensorboard import read_scalars
 from comlrl.utils import find_latest_checkpoint, read_checkpoint_metadata
 
-from helpers import forked, rows, worker_errors
+from helpers import finish, forked, rows, stop, worker_errors
 
 EVAL = [{"prompt": p} for p in ("Tell a joke about rain:", "Name three colours:")]
 TRACKED = dict(eval_interval=4, eval_num_samples=2, report_to=["jsonl", "tensorboard", "mlflow"])
@@ -277,12 +277,16 @@ def mlflow_server(tmp_path_factory):
             time.sleep(0.5)
         yield uri
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:  # its graceful shutdown took 10 s; nothing of it is needed after the tests
-            server.wait(timeout=3)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        for sig, wait in ((signal.SIGTERM, 3), (signal.SIGKILL, None)):  # its graceful shutdown took 10 s
+            try:
+                os.killpg(server.pid, sig)  # the whole group: the server's workers too
+            except ProcessLookupError:
+                break
+            try:
+                server.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                pass
+        server.wait()
         log.close()
 
 
@@ -293,15 +297,16 @@ def run_worker(run_dir, experiment, uri, stall_after=0):
     run_dir.mkdir(parents=True, exist_ok=True)
     worker = forked(tracking_worker.main, run_dir, experiment, uri, stall_after)
     if not stall_after:
-        worker.join(timeout=600)
-        assert worker.exitcode == 0, f"exit {worker.exitcode}: {worker_errors(run_dir)}"
+        code = finish(worker, 600)
+        assert code == 0, f"exit {code}: {worker_errors(run_dir)}"
         return None
     deadline = time.time() + 300
-    while not (run_dir / "stalled").exists():
-        assert worker.is_alive() and time.time() < deadline, worker_errors(run_dir)
-        time.sleep(0.05)
-    os.kill(worker.pid, signal.SIGKILL)
-    worker.join()
+    try:
+        while not (run_dir / "stalled").exists():
+            assert worker.is_alive() and time.time() < deadline, worker_errors(run_dir)
+            time.sleep(0.05)
+    finally:
+        stop(worker)  # SIGKILL: stalled where it should be, or the test has failed
     return int((run_dir / "stalled").read_text())
 
 

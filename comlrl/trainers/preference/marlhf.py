@@ -276,7 +276,7 @@ class MARLHFTrainer(MADPOTrainer):
             self._phase = "rl"
             self.state.epoch, self.state.items_in_epoch = 0, 0
             loop.checkpoint()
-        online = OnlinePhase(self)
+        online = self.online_phase()
         while self.state.epoch < self.args.num_train_epochs:
             loop.run_epoch(progress, online)
 
@@ -324,7 +324,15 @@ class MARLHFTrainer(MADPOTrainer):
 
     def _check_world(self) -> None:
         super()._check_world()
-        self.rl._check_world()  # the online phase's optimizer steps, whatever phase a resume starts in
+        try:  # the online phase's optimizer steps too, whatever phase a resume starts in
+            self.rl._check_world()
+        except ConfigError as error:
+            raise ConfigError(f"MARLHF's online phase (rl_algorithm={self.args.rl_algorithm!r}): {error}") from None
+
+    def online_phase(self) -> "OnlinePhase":
+        """What the online phase's epochs run on (an :class:`~comlrl.engine.schedule.EpochSchedule`);
+        a subclass that changes the online phase's buffers returns its own."""
+        return OnlinePhase(self)
 
     def _reset_pending(self) -> None:
         super()._reset_pending()
