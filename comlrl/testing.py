@@ -421,8 +421,8 @@ def code_model_recipe(steps: int = 600, seed: int = 0) -> dict:
     for prompt, completion in code_sft_corpus(seed):
         digest.update(f"{len(prompt)}:{prompt}{len(completion)}:{completion}".encode())
     digest.update(_CORPUS.encode())
-    return {"version": _CODE_MODEL_VERSION, "steps": steps, "seed": seed, **_BUILD_DEFAULTS, "shape": dict(CODE_MODEL_SHAPE),
-            "corpus_sha256": digest.hexdigest()}
+    return {"version": _CODE_MODEL_VERSION, "steps": steps, "seed": seed, **_BUILD_DEFAULTS,
+            "shape": dict(CODE_MODEL_SHAPE), "corpus_sha256": digest.hexdigest()}
 
 
 def _asset_record() -> Optional[dict]:

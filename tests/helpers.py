@@ -6,7 +6,7 @@ from comlrl.testing import SEED_PROMPTS, length_ratio_reward
 
 __all__ = ["SEED_PROMPTS", "TEST_SETTINGS", "length_ratio_reward", "state_of", "assert_bit_exact", "rows", "play",
            "record_gradients", "assert_same_gradients", "GRADIENT_RTOL", "adamw_divergence_bound", "write_config",
-           "forked", "finish", "stop", "run_cli", "worker_errors"]
+           "forked", "finish", "run_forked", "stop", "run_cli", "worker_errors"]
 
 # What most tests train with, set explicitly rather than relying on the (CoMLRL 1.4.3) defaults:
 # one turn, one prompt per optimizer step, plain sampling, the GRPO token-mean loss.
@@ -190,6 +190,12 @@ def finish(proc, timeout: float = 600):
     proc.join(timeout)
     stop(proc)
     return proc.exitcode
+
+
+def run_forked(target, run_dir, *args, timeout: float = 600) -> None:
+    """:func:`forked`, waited for (:func:`finish`); fails with the worker's stderr unless it exited 0."""
+    code = finish(forked(target, run_dir, *args), timeout)
+    assert code == 0, f"exit {code}: {worker_errors(run_dir)}"
 
 
 def stop(proc) -> None:

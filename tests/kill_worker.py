@@ -1,9 +1,8 @@
 """The process test_kill.py kills: train (resuming from the newest checkpoint if any), then write
 the final weights. Killed with SIGKILL at random moments by the test.
 
-test_kill.py forks :func:`main` from a server that imported this module once (``helpers.forked``:
-torch, transformers and comlrl are not imported again per run); ``python kill_worker.py RUN_DIR``
-runs it as a script, with ``KILL_WORKER_SLOW_SAVE`` and ``KILL_WORKER_FAMILY`` from the environment."""
+test_kill.py forks :func:`main` from a server that imported torch, transformers and comlrl once
+(``helpers.forked``)."""
 
 import os
 import sys
@@ -70,8 +69,3 @@ def main(run_dir: Path, slow: float = 0.0, family: str = "magrpo") -> None:
             for k, v in st.items():
                 tensors[f"{s}.opt.{idx}.{k}"] = v.detach().reshape(-1).contiguous()
     save_file(tensors, str(run_dir / "final.safetensors"))
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]), float(os.environ.get("KILL_WORKER_SLOW_SAVE", "0")),
-         os.environ.get("KILL_WORKER_FAMILY", "magrpo"))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import finish, forked, stop, worker_errors
+from helpers import forked, run_forked, stop
 from safetensors.torch import load_file
 
 
@@ -23,11 +23,10 @@ def run_worker(run_dir, kill_after=None, slow_save=0.0, family="magrpo", in_save
     appear) and kill in_save seconds into it."""
     import kill_worker
 
-    proc = forked(kill_worker.main, run_dir, slow_save, family)
     if kill_after is None:
-        code = finish(proc, 600)
-        assert code == 0, f"exit {code}: {worker_errors(run_dir)}"
+        run_forked(kill_worker.main, run_dir, slow_save, family)
         return False
+    proc = forked(kill_worker.main, run_dir, slow_save, family)
     metrics = run_dir / "ckpt" / "metrics.jsonl"
 
     def staging():

@@ -22,7 +22,7 @@ from comlrl.tracking import StepFilter, active_trackers
 from comlrl.tracking.tensorboard import read_scalars
 from comlrl.utils import find_latest_checkpoint, read_checkpoint_metadata
 
-from helpers import finish, forked, rows, stop, worker_errors
+from helpers import forked, rows, run_forked, stop, worker_errors
 
 EVAL = [{"prompt": p} for p in ("Tell a joke about rain:", "Name three colours:")]
 TRACKED = dict(eval_interval=4, eval_num_samples=2, report_to=["jsonl", "tensorboard", "mlflow"])
@@ -294,12 +294,10 @@ def run_worker(run_dir, experiment, uri, stall_after=0):
     """Run the worker to the end, or (stall_after) until it logged that many rows, then kill -9 it."""
     import tracking_worker
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    worker = forked(tracking_worker.main, run_dir, experiment, uri, stall_after)
     if not stall_after:
-        code = finish(worker, 600)
-        assert code == 0, f"exit {code}: {worker_errors(run_dir)}"
+        run_forked(tracking_worker.main, run_dir, experiment, uri)
         return None
+    worker = forked(tracking_worker.main, run_dir, experiment, uri, stall_after)
     deadline = time.time() + 300
     try:
         while not (run_dir / "stalled").exists():

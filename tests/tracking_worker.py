@@ -3,11 +3,8 @@ metrics.jsonl, TensorBoard and MLflow (the server at ``uri``), resuming from the
 if there is one. With ``stall_after=N`` it stops after logging its N-th row and waits there to be
 killed (kill -9 by the test, at a known point past a checkpoint).
 
-test_tracking.py forks :func:`main` from a server that imported this module once
-(``helpers.forked``); as a script (MLFLOW_TRACKING_URI and TRACKING_WORKER_STALL_AFTER from the
-environment):
-
-    python tracking_worker.py RUN_DIR EXPERIMENT
+test_tracking.py forks :func:`main` from a server that imported torch, transformers, comlrl and
+mlflow once (``helpers.forked``).
 """
 
 import os
@@ -57,8 +54,3 @@ def main(run_dir: Path, experiment: str, uri: str, stall_after: int = 0) -> None
                             args=MAGRPOConfig(**settings))
     latest = find_latest_checkpoint(run_dir / "ckpt")
     trainer.train(resume_from_checkpoint=latest, checkpoint_dir=run_dir / "ckpt")
-
-
-if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], os.environ["MLFLOW_TRACKING_URI"],
-         int(os.environ.get("TRACKING_WORKER_STALL_AFTER", "0")))
