@@ -87,10 +87,12 @@ def test_resume_equals_uninterrupted_bit_exact(make_dr, tmp_path):
 
 @pytest.mark.slow
 def test_dr_grpo_learns_the_seed_task(make_dr, tmp_path):
-    """The seed config (num_generations 4, 32 new tokens) at lr 1e-3 from a random tiny model, 30
-    epochs, 3 seeds (~25 s). Measured, last 4 epochs, seeds 0/1/2: 0.993 / 0.959 / 0.973, the same
-    on the default / avx2 / avx512 kernels; first epoch 0.36-0.42. Asserted: the random model's
-    first epoch near 0.37, the median of the last 4 epochs >= 0.85 and every seed >= 0.7."""
+    """The seed config (num_generations 4, 32 new tokens) at lr 1e-3 from a random tiny model, 20
+    epochs, 3 seeds. Measured, last 4 epochs, seeds 0/1/2, the same on the default / avx2 / avx512
+    kernels (two machines): at 20 epochs 0.992 / 0.976 / 0.962; at 30, as this test ran before,
+    0.993 / 0.959 / 0.973 (flat from epoch 18: 0.968-0.976); first epoch 0.36-0.42. Asserted: the
+    random model's first epoch near 0.37, the median of the last 4 epochs >= 0.85 and every seed >=
+    0.7."""
     results = []
     for seed in (0, 1, 2):
         out = tmp_path / f"seed{seed}"
@@ -103,4 +105,4 @@ def test_dr_grpo_learns_the_seed_task(make_dr, tmp_path):
     assert min(last for _, last in results) >= 0.7
 
 
-EPOCHS = 30
+EPOCHS = 20
