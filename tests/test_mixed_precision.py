@@ -1,4 +1,5 @@
-"""mixed_precision="bf16": rollout and loss forwards under torch.autocast (tested on CPU)."""
+"""mixed_precision="bf16": sampling and the update on bfloat16 compute copies of float32 masters,
+autocast where there is no copy (LoRA agents), tested on CPU."""
 
 import json
 import math
@@ -145,6 +146,99 @@ def test_tied_weights_stay_tied_in_the_compute_copy(tokenizer, tmp_path):
         model.lm_head.weight.add_(1.0)
     copy.refresh()
     assert torch.equal(copy.module.model.embed_tokens.weight, model.model.embed_tokens.weight.to(torch.bfloat16))
+
+
+def _tied_model(frozen_norms: bool = False):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if frozen_norms:
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.requires_grad_(False)
+    return model
+
+
+def test_backward_through_the_compute_copy_sums_its_gradients_into_the_fp32_masters():
+    """ComputeCopy.trained(): the gradient of each backward on the bf16 copy is what a bf16 model
+    computes, added to the master's float32 .grad (bit for bit the float32 sum of the bf16
+    gradients); frozen master parameters get none; the copy holds no gradient and requires none
+    after the block; a tied embedding/head gets one gradient (both uses)."""
+    import copy as copying
+
+    from comlrl.rollout.compute import ComputeCopy
+
+    model = _tied_model(frozen_norms=True)
+    ids = [torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    reference = copying.deepcopy(model)
+    for p in reference.parameters():  # parameters in bf16, buffers (rotary frequencies) as the copy's
+        p.data = p.data.to(torch.bfloat16)
+    expected = {}
+    for x in ids:  # the reference: a bf16 model's gradients of each backward, summed in float32
+        reference.zero_grad(set_to_none=True)
+        reference(input_ids=x).logits.float().logsumexp(-1).sum().backward()
+        for name, p in reference.named_parameters():
+            if p.grad is not None:
+                expected[name] = expected.get(name, 0) + p.grad.float()
+    compute = ComputeCopy(model, torch.bfloat16)
+    with compute.trained() as module:
+        assert module is compute.module
+        for x in ids:
+            module(input_ids=x).logits.float().logsumexp(-1).sum().backward()
+            assert all(p.grad is None for p in module.parameters())  # moved to the master at once
+    assert all(not p.requires_grad and p.grad is None for p in compute.module.parameters())
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    assert {n for n, g in grads.items() if g is not None} == set(expected) == \
+        {n for n, p in model.named_parameters() if p.requires_grad}
+    assert all(grads[n].dtype == torch.float32 and torch.equal(grads[n], expected[n]) for n in expected)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and "lm_head.weight" not in grads
+
+
+def test_the_update_runs_on_the_current_bf16_copy_without_autocast(make_trainer, tmp_path, monkeypatch):
+    """With mixed_precision="bf16" every policy forward of the update (the loss's, and the old
+    log-probs of a buffer's later steps; two passes of the clipped update per buffer) runs on the
+    agent's compute copy, current with its master (refreshed after each optimizer step), outside
+    autocast; in float32 the masters run."""
+    from comlrl.engine import step as step_module
+    from comlrl.trainers.reinforce import magrpo as magrpo_module
+
+    seen, live = [], {}
+
+    def record(name):
+        original = getattr(step_module, name)
+
+        def run(model, *args, **kwargs):
+            with kwargs["autocast"]():
+                on = torch.is_autocast_enabled("cpu")
+            trainer = live["trainer"]
+            copies = [c.module if c is not None else None for c in trainer.backend.copies]
+            agent = next((a for a, c in enumerate(copies) if c is model), None)
+            current = agent is not None and all(
+                torch.equal(q, p.detach().to(torch.bfloat16))
+                for q, p in zip(model.parameters(), trainer.agents[agent].parameters()))
+            seen.append((name, agent, current, on, any(model is a for a in trainer.agents)))
+            return original(model, *args, **kwargs)
+        return run
+
+    for name in ("policy_backward", "rows_log_probs"):
+        monkeypatch.setattr(magrpo_module, name, record(name))
+    live["trainer"] = make_trainer(num_train_epochs=1, mixed_precision="bf16", rollout_buffer_size=2,
+                                   train_batch_size=1, ppo_clip_eps=0.2, num_update_epochs=2,
+                                   output_dir=str(tmp_path / "bf16"))
+    live["trainer"].train()
+    names = [name for name, *_ in seen]
+    # 2 buffers of 2 one-prompt steps, 2 passes: 8 optimizer steps of 2 agents; the old log-probs of
+    # each buffer's second step, read before its first update, per agent
+    assert live["trainer"].state.global_step == 8
+    assert names.count("policy_backward") == 16 and names.count("rows_log_probs") == 4
+    assert all(agent is not None and current and not on for _, agent, current, on, _ in seen)
+    seen.clear()
+    live["trainer"] = make_trainer(num_train_epochs=1, output_dir=str(tmp_path / "fp32"))
+    live["trainer"].train()
+    assert seen and all(master and agent is None for _, agent, _, _, master in seen)
 
 
 def test_the_frozen_reference_is_kept_in_bf16(make_trainer, tmp_path):

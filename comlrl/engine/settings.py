@@ -163,8 +163,10 @@ class TrainerConfig(Config):
                              check_choice("raise", "skip"))
     mixed_precision: Optional[str] = setting(None, "'bf16': weights and AdamW stay float32 (the masters); sampling "
                                                    "runs on bfloat16 copies refreshed after each optimizer step, the "
-                                                   "frozen reference is kept in bfloat16, loss forwards run under "
-                                                   "torch.autocast(bfloat16); sharded agents use FSDP2's "
+                                                   "frozen reference is kept in bfloat16, the update's forwards and "
+                                                   "backwards run on the same copies, their gradients summed into "
+                                                   "the float32 masters (LoRA agents and the vLLM backend: under "
+                                                   "torch.autocast(bfloat16)); sharded agents use FSDP2's "
                                                    "MixedPrecisionPolicy(param_dtype=bfloat16). None = the model's "
                                                    "dtype.",
                                              optional(check_choice(*MIXED_PRECISIONS)))

@@ -20,7 +20,7 @@ import sys
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -34,6 +34,7 @@ from . import distributed as dist
 from .collect import Collector, PromptBatch, train_seeds
 from .episode import ExternalTransition
 from .evaluation import Evaluation
+from .host_memory import tune_malloc
 from .inputs import (agent_count, check_context, check_tokenizers_usable, distinct_modules, frozen_copies,
                      resolve_agents, wants_cuda)
 from .loop import RunLoop, check_train_args
@@ -47,6 +48,8 @@ from .state import PlayedBuffer, TrainState
 from .step import allocate_adam_state, apply_gradients, own_parameters
 from .streams import Stream, stream_rng
 from .timing import PhaseTimer
+
+AutocastFactory = Callable[[], contextlib.AbstractContextManager]
 
 __all__ = ["Trainer"]
 
@@ -125,6 +128,8 @@ class Trainer(Evaluation, Persistence):
         self.tokenizer = self.tokenizers[0]
         self.num_agents, self.model_name = len(resolved.models), resolved.model_name
         self.agent_devices, self.device = list(resolved.devices), resolved.devices[0]
+        if any(d.type == "cpu" for d in self.agent_devices):
+            tune_malloc()  # the step's large tensors reused, not faulted in again (engine/host_memory.py)
         self.agents = self._trained_models(resolved)
         self._warn_count(count)
         self.reward_func, self.reward_processor = reward_func, reward_processor
@@ -261,6 +266,12 @@ class Trainer(Evaluation, Persistence):
         """The language models that sample, one per agent (what the rollout backend runs)."""
         return self.agents
 
+    def _policies_of(self, modules: Sequence[torch.nn.Module]) -> list[int]:
+        """The agents whose policy shares a parameter with ``modules`` (what an optimizer step of
+        them changes: a copy of only those goes stale; a critic changes none)."""
+        stepped = {id(p) for m in modules for p in m.parameters()}
+        return [a for a, policy in enumerate(self._policies()) if any(id(p) in stepped for p in policy.parameters())]
+
     # --- the schedule: what the run loop calls (engine/schedule.py's LoopTrainer) --------------------
     def is_complete(self) -> bool:
         """Whether every epoch of the run is done (train() then has nothing to do)."""
@@ -377,6 +388,25 @@ class Trainer(Evaluation, Persistence):
             for device_type in sorted({d.type for d in self.agent_devices}):
                 stack.enter_context(torch.autocast(device_type=device_type, dtype=torch.bfloat16))
         return stack
+
+    @contextlib.contextmanager
+    def policy_compute(self, agent: int) -> Iterator[tuple[torch.nn.Module, AutocastFactory]]:
+        """``(module, autocast)``: what agent ``agent``'s policy forwards of the update run on
+        (the loss and its log-probs; pass both to :func:`~comlrl.engine.step.policy_backward` or
+        :func:`~comlrl.engine.step.rows_log_probs`), for the duration of the block.
+
+        With ``mixed_precision="bf16"`` and a compute copy (the bfloat16 weights the agent samples
+        with, :mod:`comlrl.rollout.compute`): that copy, current, without autocast; the gradients
+        of its backwards land in the float32 masters' ``.grad``
+        (:meth:`~comlrl.rollout.compute.ComputeCopy.trained`). Otherwise (float32, LoRA agents,
+        sharded agents, the vLLM backend): the policy itself under :meth:`autocast`."""
+        policy = self._policies()[agent]
+        copy = getattr(self.backend, "compute_copy", lambda _: None)(agent)
+        if copy is None or copy.master is not policy:
+            yield policy, self.autocast
+            return
+        with copy.trained() as module:
+            yield module, contextlib.nullcontext
 
     # ------------------------------------------------------------------------------------------
     # data
@@ -501,7 +531,7 @@ class Trainer(Evaluation, Persistence):
         norms = apply_gradients(models, optimizers, schedulers, self.args.max_grad_norm, self.dist,
                                 self.args.nonfinite, f"optimizer step {self.state.global_step + 1}", names=names,
                                 applied=applied)
-        self.backend.mark_stale()
+        self.backend.mark_stale(self._policies_of(models))
         if norms is None:
             return {"train/learning_rate": learning_rate, "train/skipped_steps": 1.0}, None
         self.state.global_step += int(count)

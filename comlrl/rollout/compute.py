@@ -8,12 +8,20 @@ the casts cost as much as the products. A :class:`ComputeCopy` is the module cas
 parameters, refreshed from the masters once after each optimizer step (what FSDP2's
 ``MixedPrecisionPolicy(param_dtype=...)`` does for sharded models), which sampling runs on
 directly, without autocast.
+
+The update's forwards and backwards run on the same copy (:meth:`ComputeCopy.trained`): each
+weight gradient is computed in bfloat16, as autocast computes it too, and added to the master's
+float32 ``.grad`` as soon as backward has accumulated it. Autocast instead casts every weight again
+at every forward, runs the residual stream and the norms in float32, and routes each weight
+gradient through a cast node: 1.4x the time of the same forward and backward on bfloat16 weights
+(a Qwen2.5-0.5B-shaped model, 8 rows x 46 tokens), where the copy takes 1.2x.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -69,3 +77,39 @@ class ComputeCopy:
         copies, masters = zip(*self._pairs)
         torch._foreach_copy_(list(copies), list(masters))
         self.refreshes += 1
+
+    @contextlib.contextmanager
+    def trained(self) -> Iterator[torch.nn.Module]:
+        """The copy, for forwards whose backward trains the master: inside, the copy's parameters
+        require gradients where the master's do, and each gradient backward accumulates on one is
+        added to its master's ``.grad`` (cast to the master's dtype) and freed at once, so no more
+        than the gradients in flight exist in ``dtype``. Gradients of several backwards sum in the
+        master's dtype, as under autocast. The copy must be current (:meth:`refresh` after the
+        master changed): its forward is the function whose gradient reaches the master."""
+        handles = []
+        try:
+            for c, m in self._pairs:
+                c.requires_grad_(m.requires_grad)
+                if m.requires_grad:
+                    handles.append(c.register_post_accumulate_grad_hook(_grad_into(m)))
+            yield self.module
+        finally:
+            for handle in handles:
+                handle.remove()
+            for c, _ in self._pairs:
+                c.requires_grad_(False)
+                c.grad = None
+
+
+def _grad_into(master: torch.nn.Parameter):
+    """A post-accumulate-grad hook: the copy parameter's gradient, added to ``master.grad``."""
+
+    def hook(param: torch.Tensor) -> None:
+        with torch.no_grad():
+            if master.grad is None:
+                master.grad = param.grad.to(master.dtype)
+            else:
+                master.grad.add_(param.grad)
+        param.grad = None
+
+    return hook

@@ -16,7 +16,7 @@ import logging
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -24,6 +24,9 @@ from ..exceptions import DataError
 from ..functional.losses import completion_mask
 from . import lean as fast_decode
 from .sampling import Rollout, SamplingParams, decode_completions, left_pad, row_uniforms, sample_tokens
+
+if TYPE_CHECKING:
+    from .compute import ComputeCopy
 
 logger = logging.getLogger("comlrl")
 
@@ -271,11 +274,20 @@ class TransformersRollout:
     def sampling_models(self) -> list[torch.nn.Module]:
         """What each agent samples with: its compute copy (refreshed if stale), else the model itself."""
         for a in sorted(self.stale):
-            copy = self.copies[a]
-            if copy is not None:
-                copy.refresh()
-        self.stale.clear()
+            self._refresh(a)
         return [c.module if c is not None else m for c, m in zip(self.copies, self.models)]
+
+    def compute_copy(self, agent: int) -> Optional[ComputeCopy]:
+        """Agent ``agent``'s compute copy, current (refreshed if stale), or None without one."""
+        if agent in self.stale:
+            self._refresh(agent)
+        return self.copies[agent]
+
+    def _refresh(self, agent: int) -> None:
+        copy = self.copies[agent]
+        if copy is not None:
+            copy.refresh()
+        self.stale.discard(agent)
 
     def sample(self, prompts: Sequence[Sequence[str]], seeds: Sequence[Sequence[Sequence[int]]],
                params: SamplingParams, eos_token_ids: Sequence[Sequence[int]],

@@ -381,9 +381,10 @@ class ActorCriticTrainerBase(Trainer):
         """Back-propagate agent ``agent``'s loss over ``rows``: the update phase's
         :func:`~comlrl.engine.step.policy_backward`, with the critic's advantages as given."""
         given = AgentRows(rows.rollout, rows.extras["advantages"], rows.groups)
-        out = policy_backward(self._policies()[agent], given, _as_given, temperature=self.args.temperature,
-                              denominator=denominator, micro_groups=self.args.micro_batch_size, loss=self.loss_spec,
-                              autocast=self.autocast)
+        with self.policy_compute(agent) as (policy, autocast):
+            out = policy_backward(policy, given, _as_given, temperature=self.args.temperature,
+                                  denominator=denominator, micro_groups=self.args.micro_batch_size,
+                                  loss=self.loss_spec, autocast=autocast)
         return _Losses(policy=out.loss)
 
     def _critic_backward(self, buffer: PlayedBuffer[ActorCriticBufferData], groups: range) -> list[_Losses]:

@@ -233,10 +233,11 @@ class MAGRPOTrainer(Trainer):
             rows.extras[OLD_LOG_PROBS] = old
         if weights is not None:
             rows.extras[ADVANTAGE_WEIGHTS] = weights
-        out = policy_backward(
-            self.agents[agent], rows, self.advantages, temperature=args.temperature, denominator=denominator,
-            micro_groups=args.micro_batch_size, loss=spec, reference=reference, kl_coef=args.reference_kl_coef,
-            autocast=self.autocast, keep_log_probs=ratio and old is None, passes=passes)
+        with self.policy_compute(agent) as (model, autocast):
+            out = policy_backward(
+                model, rows, self.advantages, temperature=args.temperature, denominator=denominator,
+                micro_groups=args.micro_batch_size, loss=spec, reference=reference, kl_coef=args.reference_kl_coef,
+                autocast=autocast, keep_log_probs=ratio and old is None, passes=passes)
         if out.log_probs is not None:  # this step's first update: its forward was the sampling policy's
             buffer.data.old_log_probs[key] = out.log_probs
         return out
@@ -258,9 +259,10 @@ class MAGRPOTrainer(Trainer):
             if rows is None:
                 idle_passes(model, passes or 0, grad=False, autocast=self.autocast)
                 continue
-            kept[(agent, step.start)] = rows_log_probs(model, rows, temperature=self.args.temperature,
-                                                       micro_groups=self.args.micro_batch_size,
-                                                       autocast=self.autocast, passes=passes)
+            with self.policy_compute(agent) as (policy, autocast):
+                kept[(agent, step.start)] = rows_log_probs(policy, rows, temperature=self.args.temperature,
+                                                           micro_groups=self.args.micro_batch_size,
+                                                           autocast=autocast, passes=passes)
         read.add(agent)  # only once every step's are kept: an interruption above reads them all again
 
     @staticmethod

@@ -117,8 +117,9 @@ class MAHAGRPOTrainer(MAGRPOTrainer):
         if rows is None:
             idle_passes(self.agents[agent], passes or 0, grad=False, autocast=self.autocast)
             return None
-        new = rows_log_probs(self.agents[agent], rows, temperature=self.args.temperature,
-                             micro_groups=self.args.micro_batch_size, autocast=self.autocast, passes=passes)
+        with self.policy_compute(agent) as (policy, autocast):
+            new = rows_log_probs(policy, rows, temperature=self.args.temperature,
+                                 micro_groups=self.args.micro_batch_size, autocast=autocast, passes=passes)
         old = buffer.data.old_log_probs[(agent, groups.start)]
         mask = rows.rollout.completion_mask.to(new.device)
         return sequence_ratio(new, old.to(new.device), mask).clamp(1.0 - eps, 1.0 + eps).cpu()
