@@ -8,14 +8,16 @@ allocation of the same size is then faulted in again, page by page, each page ze
 kernel. For a Qwen2.5-0.5B-shaped pair in bf16 that kernel time was 9.9 s of CPU per epoch, in an
 update phase of 17-18 s (benchmarks/realsize.py, 2 threads).
 
-:func:`tune_malloc` raises the mmap threshold to glibc's largest (32 MiB on 64-bit: each of a
-0.5B model's weight matrices is below it) and the trim threshold to 2 GiB, so that freed blocks
+:func:`tune_malloc` raises the mmap threshold to glibc's largest (32 MiB on 64-bit: each matrix
+of a Qwen2.5-0.5B layer is below it; larger blocks, such as an embedding with a 150k vocabulary,
+are still mapped and returned each time) and the trim threshold to 2 GiB, so that freed blocks
 stay in the heap and the next step reuses them, as PyTorch's CUDA caching allocator does on the
-GPU. The process keeps what it once held (its peak resident memory does not grow: the same
-blocks are reused). ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` / ``GLIBC_TUNABLES``
-set by the user are left alone, and ``COMLRL_MALLOC_TUNING=0`` turns this off. The setting is the
-process's (malloc has one); other allocators (jemalloc, tcmalloc preloaded) are not glibc's and
-are left alone.
+GPU. The process keeps what it once held, up to 2 GiB free in each arena; measured, the peak RSS
+of that bf16 pair's epoch did not grow (11,886 MB against 11,891). The setting is the process's
+(malloc has one) and forked children inherit it. ``MALLOC_MMAP_THRESHOLD_`` /
+``MALLOC_TRIM_THRESHOLD_`` / ``GLIBC_TUNABLES`` set by the user are left alone, and
+``COMLRL_MALLOC_TUNING=0`` turns this off; other allocators (jemalloc or tcmalloc preloaded) do not
+read glibc's settings.
 """
 
 from __future__ import annotations

@@ -165,7 +165,8 @@ class TrainerConfig(Config):
                                                    "runs on bfloat16 copies refreshed after each optimizer step, the "
                                                    "frozen reference is kept in bfloat16, the update's forwards and "
                                                    "backwards run on the same copies, their gradients summed into "
-                                                   "the float32 masters (LoRA agents and the vLLM backend: under "
+                                                   "the float32 masters (LoRA agents, model.generate samplers, the "
+                                                   "vLLM backend, IAC's and MADPO's losses: under "
                                                    "torch.autocast(bfloat16)); sharded agents use FSDP2's "
                                                    "MixedPrecisionPolicy(param_dtype=bfloat16). None = the model's "
                                                    "dtype.",

@@ -636,6 +636,9 @@ class Trainer(Evaluation, Persistence):
         resumed = self._load_for_train(resume_from_checkpoint) if resume_from_checkpoint is not None else None
         for opt in self.optimizers:  # an interrupted step's partial gradients must not leak into the next
             opt.zero_grad(set_to_none=True)
+        # Weights changed since the last call (load_state_dict, a reward model sharing a backbone)
+        # reach the compute copies and engines before they sample or train.
+        self.backend.mark_stale()
         continuing = resumed is not None or self.state.global_step > 0
         loop = RunLoop(self, checkpoint_dir, checkpoint_interval, checkpoint_total_limit, save_steps,
                        resumed_number=resumed, continuing=continuing)

@@ -79,6 +79,10 @@ class _LinearSelectedLogProbs(torch.autograd.Function):
         bias = bias if ctx.has_bias else None
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = grad_bias = None
+        # Several chunks' parts of the weight's (and bias's) gradient are summed in float32 and cast
+        # to the input's dtype once: summed in bfloat16, each chunk's addition would round.
+        chunks = -(-hidden.shape[0] // ctx.chunk_rows)
+        total = weight.dtype if chunks == 1 else torch.promote_types(weight.dtype, torch.float32)
         for i, start in enumerate(range(0, hidden.shape[0], ctx.chunk_rows)):
             end = start + ctx.chunk_rows
             exp = kept[i] if kept else _shifted_exp(hidden[start:end], weight, bias, tokens[start:end],
@@ -96,12 +100,13 @@ class _LinearSelectedLogProbs(torch.autograd.Function):
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight.to(compute)
             if ctx.needs_input_grad[1]:
-                part = (grad_logits.t() @ hidden[start:end].to(compute)).to(weight.dtype)
+                part = (grad_logits.t() @ hidden[start:end].to(compute)).to(total)
                 grad_weight = part if grad_weight is None else grad_weight.add_(part)
             if ctx.has_bias and ctx.needs_input_grad[2]:
-                part = grad_logits.sum(dim=0).to(bias.dtype)
+                part = grad_logits.sum(dim=0).to(torch.promote_types(bias.dtype, total))
                 grad_bias = part if grad_bias is None else grad_bias.add_(part)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return (grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype), None, None, None, None)
 
 
 def _shifted_exp(hidden, weight, bias, tokens, temperature):
