@@ -32,9 +32,9 @@ print(json.dumps({"done": done, "faults": faults}))
 
 
 def churn(mode: str, **env: str) -> dict:
-    environ = {k: v for k, v in os.environ.items()
-               if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES",
-                            "COMLRL_MALLOC_TUNING")}
+    from comlrl.engine.host_memory import _USER_SETTINGS
+
+    environ = {k: v for k, v in os.environ.items() if k not in (*_USER_SETTINGS, "COMLRL_MALLOC_TUNING")}
     out = subprocess.run([sys.executable, "-c", CHURN, mode], capture_output=True, text=True, timeout=120,
                          env={**environ, **env})
     assert out.returncode == 0, out.stderr[-2000:]

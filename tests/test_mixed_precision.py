@@ -154,23 +154,6 @@ def test_sampling_runs_on_bf16_copies_refreshed_after_each_optimizer_step(make_t
     assert all(lean._VERIFIED.get(c.module) is True for c in copies)
 
 
-def test_tied_weights_stay_tied_in_the_compute_copy(tokenizer, tmp_path):
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from comlrl.rollout.compute import ComputeCopy
-
-    config = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
-    model = AutoModelForCausalLM.from_config(config)
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    copy = ComputeCopy(model, torch.bfloat16)
-    assert copy.module.lm_head.weight is copy.module.model.embed_tokens.weight
-    with torch.no_grad():
-        model.lm_head.weight.add_(1.0)
-    copy.refresh()
-    assert torch.equal(copy.module.model.embed_tokens.weight, model.model.embed_tokens.weight.to(torch.bfloat16))
-
-
 def _small_model(tied: bool, frozen_norms: bool = False):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -183,6 +166,19 @@ def _small_model(tied: bool, frozen_norms: bool = False):
             if "norm" in name:
                 p.requires_grad_(False)
     return model
+
+
+def test_tied_weights_stay_tied_in_the_compute_copy(tokenizer, tmp_path):
+    from comlrl.rollout.compute import ComputeCopy
+
+    model = _small_model(tied=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    copy = ComputeCopy(model, torch.bfloat16)
+    assert copy.module.lm_head.weight is copy.module.model.embed_tokens.weight
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    copy.refresh()
+    assert torch.equal(copy.module.model.embed_tokens.weight, model.model.embed_tokens.weight.to(torch.bfloat16))
 
 
 def _as_trained_copy(model):

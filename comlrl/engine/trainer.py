@@ -399,7 +399,8 @@ class Trainer(Evaluation, Persistence):
         with, :mod:`comlrl.rollout.compute`): that copy, current, without autocast; the gradients
         of its backwards land in the float32 masters' ``.grad``
         (:meth:`~comlrl.rollout.compute.ComputeCopy.trained`). Otherwise (float32, LoRA agents,
-        sharded agents, the vLLM backend): the policy itself under :meth:`autocast`."""
+        agents that sample through ``model.generate``, sharded agents, the vLLM backend): the
+        policy itself under :meth:`autocast`."""
         policy = self._policies()[agent]
         copy = getattr(self.backend, "compute_copy", lambda _: None)(agent)
         if copy is None or copy.master is not policy:

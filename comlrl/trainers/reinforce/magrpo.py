@@ -251,15 +251,15 @@ class MAGRPOTrainer(Trainer):
         if buffer.steps_done or agent in read:
             return
         model = self.agents[agent]
-        for index, step in enumerate(buffer.steps):
-            if index == 0:  # the buffer's first step: this very step, read by its own forward
-                continue
-            rows = self.agent_rows(buffer, agent, step)
-            passes = collective_passes(rows, self.args.micro_batch_size, self.dist, self.sharded)
-            if rows is None:
-                idle_passes(model, passes or 0, grad=False, autocast=self.autocast)
-                continue
-            with self.policy_compute(agent) as (policy, autocast):
+        with self.policy_compute(agent) as (policy, autocast):
+            for index, step in enumerate(buffer.steps):
+                if index == 0:  # the buffer's first step: this very step, read by its own forward
+                    continue
+                rows = self.agent_rows(buffer, agent, step)
+                passes = collective_passes(rows, self.args.micro_batch_size, self.dist, self.sharded)
+                if rows is None:
+                    idle_passes(model, passes or 0, grad=False, autocast=self.autocast)
+                    continue
                 kept[(agent, step.start)] = rows_log_probs(policy, rows, temperature=self.args.temperature,
                                                            micro_groups=self.args.micro_batch_size,
                                                            autocast=autocast, passes=passes)
