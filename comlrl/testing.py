@@ -37,17 +37,18 @@ require_torch("comlrl.testing")  # before the first torch import: say how to ins
 import inspect
 import math
 import os
+import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, Optional
 
 import torch
 
 __all__ = ["tiny_model_dir", "build_tiny_tokenizer", "build_tiny_model", "cache_root", "qwen_vocab_model_dir",
            "build_qwen_vocab_tokenizer", "SEED_PROMPTS", "length_ratio_reward", "qwen2_model_dir",
-           "QWEN2_5_0_5B_SHAPE", "code_model_dir", "build_code_model", "code_sft_corpus", "CODE_MODEL_SHAPE",
-           "code_model_recipe", "write_code_model_asset", "CODE_MODEL_ASSET"]
+           "QWEN2_5_0_5B_SHAPE", "code_model_dir", "build_code_model", "code_sft_corpus", "code_rl_problems",
+           "CODE_MODEL_SHAPE", "CODE_MODEL_STEPS", "CODE_SFT_SLIPS", "code_model_recipe", "write_code_model_asset", "CODE_MODEL_ASSET"]
 
 _CORPUS = """
 Describe a city in the clouds: towers of glass float above a sea of white mist, and bridges of
@@ -290,45 +291,89 @@ def qwen2_model_dir(shape: Optional[dict] = None, vocab: str = "tiny", seed: int
 # --- a small model that writes the generated task's code ------------------------------------------
 
 # Bumped whenever what code_model_dir builds changes (corpus, shape, training): the cache key.
-_CODE_MODEL_VERSION = 4
+_CODE_MODEL_VERSION = 5
+# AdamW steps of the fine-tuning (batches of 16): about 2 minutes on 2 CPU cores.
+CODE_MODEL_STEPS = 1500
 CODE_MODEL_SHAPE = dict(hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                         num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True)
 
 
-# The first this many train problems of generated_split() are left out of the fine-tuning corpus:
-# they are what examples/code_collab.py trains MAGRPO on (problems the warm model has not seen,
-# like the held-out ones, so RL has something to learn that carries over to them).
+# examples/code_collab.py trains MAGRPO on this many train problems of generated_split() (their
+# first rows, which the fine-tuning corpus leaves out: code_sft_corpus).
 CODE_RL_PROBLEMS = 64
 
 
-def code_sft_corpus(seed: int = 0, rows_per_composition: int = 4, rl_problems: int = CODE_RL_PROBLEMS
-                    ) -> list[tuple[str, str]]:
-    """``(prompt, completion)`` pairs the code model is fine-tuned on: for every train row of
-    :func:`comlrl.tasks.code.generated_split` (never an eval composition) but the first
-    ``rl_problems`` compositions (left for RL), the helper's prompt with the reference ``aux`` and
-    the main function's prompt with the reference entry point, as the trainer will prompt them
-    (``helper_formatter`` / ``main_formatter``)."""
+def code_rl_problems(seed: int = 0, count: int = CODE_RL_PROBLEMS):
+    """The first ``count`` train rows of :func:`comlrl.tasks.code.generated_split` (one per
+    composition), a ``datasets.Dataset``: the problems RL trains on. The code model was fine-tuned
+    on other rows of these compositions (other examples and tests), never on these rows, and never
+    on a held-out composition."""
+    from .tasks.code import generated_split
+
+    train, _ = generated_split(seed=seed)
+    return train.select(range(min(count, len(train))))
+
+
+# Share of the fine-tuning rows whose answer holds a slip, per role (code_sft_corpus). Measured on
+# the held-out problems (docs/code.md): without slips the warm model's wrong answers were mostly
+# systematic (the same wrong step in every sample of a problem), which a few minutes of RL on other
+# problems cannot correct; with them a warm answer is often wrong in a way the tests catch and that
+# is the same on every problem, which RL through the sandboxed reward unlearns. With 70% of entry
+# points slipped, a build slipped in 96% of its samples and RL found no answer to reinforce.
+CODE_SFT_SLIPS = {"aux": 0.3, "main": 0.6}
+
+
+def _slipped(row: Mapping[str, Any], role: str) -> str:
+    """The row's reference answer for ``role`` with its slip: ``aux`` returns its argument
+    unchanged (the first step forgotten); the entry point calls ``aux`` but applies the second step
+    to its own argument instead of to ``aux``'s result."""
+    arg = "numbers" if "(numbers)" in row["aux_solution"] else "text"
+    if role == "aux":
+        return f"def aux({arg}):\n    return {arg}\n"
+    head, call, ret = row["main_solution"].splitlines()
+    return "\n".join([head, call, re.sub(r"\bvalues\b", arg, ret)]) + "\n"
+
+
+def code_sft_corpus(seed: int = 0, rows_per_composition: int = 8,
+                    slips: Optional[Mapping[str, float]] = None) -> list[tuple[str, str]]:
+    """``(prompt, completion)`` pairs the code model is fine-tuned on: ``rows_per_composition`` rows
+    of every train composition of :func:`comlrl.tasks.code.generated_split` (never a held-out one),
+    drawn after the split's own row (the RL problems, :func:`code_rl_problems`, are never in it),
+    each as the helper's prompt with the reference ``aux`` and the main function's prompt with the
+    reference entry point, as the trainer prompts them (``helper_formatter`` / ``main_formatter``).
+    A seeded share of each role's answers (``slips``, default :data:`CODE_SFT_SLIPS`) holds that
+    role's slip instead (:func:`_slipped`): demonstrations with mistakes in them, as people's are,
+    which the tests' reward can teach the model to drop."""
+    import random
+
     from .tasks.code import generated_split, helper_formatter, main_formatter
 
-    left = set(generated_split(seed=seed)[0]["composition"][:rl_problems])
-    train, _ = generated_split(seed=seed, rows_per_composition=rows_per_composition)
+    slips = dict(CODE_SFT_SLIPS if slips is None else slips)
+    rl_rows = generated_split(seed=seed)[0]
+    # An RL row, or another row whose prompt (docstring and example) is an RL row's, stays out.
+    left_out = set(rl_rows["task_id"]) | set(rl_rows["prompt"])
+    train, _ = generated_split(seed=seed, rows_per_composition=rows_per_composition + 1)
     pairs = []
     for row in train:
-        if row["composition"] in left:
+        if row["task_id"] in left_out or row["prompt"] in left_out:
             continue
-        pairs.append((helper_formatter(row), row["aux_solution"]))
-        pairs.append((main_formatter(row), row["main_solution"]))
+        for role, prompt, answer in (("aux", helper_formatter(row), row["aux_solution"]),
+                                     ("main", main_formatter(row), row["main_solution"])):
+            # One draw per row and role: a role's share changes none of the other role's answers.
+            slip = random.Random(f"code-sft-slip:{seed}:{role}:{row['task_id']}").random() < slips.get(role, 0.0)
+            pairs.append((prompt, _slipped(row, role) if slip else answer))
     return pairs
 
 
-def build_code_model(steps: int = 600, seed: int = 0, batch_size: int = 16, learning_rate: float = 3e-3,
+def build_code_model(steps: int = CODE_MODEL_STEPS, seed: int = 0, batch_size: int = 16, learning_rate: float = 3e-3,
                      vocab_size: int = 1024, log_every: int = 0):
-    """``(model, tokenizer)``: a Qwen2 of :data:`CODE_MODEL_SHAPE` (389k parameters) and a
+    """``(model, tokenizer)``: a Qwen2 of :data:`CODE_MODEL_SHAPE` (400k parameters) and a
     byte-level BPE tokenizer trained on :func:`code_sft_corpus`, then fine-tuned on it for
     ``steps`` AdamW steps (loss on the completions and their EOS only: with the prompts' tokens in
     the loss, 300 steps learnt the prompts and wrote no working code; plain torch loop, seeded,
-    deterministic for a machine's float kernels). Few steps on purpose: the model writes Python in
-    the task's format but is often wrong on held-out problems, so RL has work to do."""
+    deterministic for a machine's float kernels). The model writes Python in the task's format and
+    repeats its corpus's slips (:data:`CODE_SFT_SLIPS`), so it is often wrong on held-out problems
+    in a way RL can unlearn."""
     import random
 
     import tempfile
@@ -411,7 +456,7 @@ CODE_MODEL_ASSET = Path(__file__).resolve().parent / "assets" / "code-model"
 CODE_MODEL_RECIPE_FILE = "comlrl_recipe.json"
 
 
-def code_model_recipe(steps: int = 600, seed: int = 0) -> dict:
+def code_model_recipe(steps: int = CODE_MODEL_STEPS, seed: int = 0) -> dict:
     """What :func:`build_code_model` makes a model from: the version, the training settings, the
     shape and a SHA-256 of the fine-tuning corpus and the tokenizer's text. Two builds with equal
     recipes are the same model (up to a machine's float kernels)."""
@@ -447,7 +492,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_code_model_asset(source: Path, steps: int = 600, seed: int = 0,
+def write_code_model_asset(source: Path, steps: int = CODE_MODEL_STEPS, seed: int = 0,
                            destination: Optional[Path] = None) -> Path:
     """Copy a model directory that :func:`build_code_model` built with ``steps``/``seed`` into
     ``destination`` (default: the package's copy, :data:`CODE_MODEL_ASSET`), with its recipe, each
@@ -486,7 +531,7 @@ _CODE_MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors
                      "tokenizer_config.json")
 
 
-def code_model_dir(steps: int = 600, seed: int = 0, cache_dir: Optional[str | os.PathLike] = None,
+def code_model_dir(steps: int = CODE_MODEL_STEPS, seed: int = 0, cache_dir: Optional[str | os.PathLike] = None,
                    log_every: int = 0, build: bool = False) -> Path:
     """Path of the small code model (:func:`build_code_model`) in the cache (``$COMLRL_CACHE`` or
     ``~/.cache/comlrl``). On first use it is copied there from the package's copy

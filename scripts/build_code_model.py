@@ -3,7 +3,7 @@ it: build time (wall and CPU seconds: CPU is what a loaded machine cannot inflat
 the warm model's pass@1 on the generated task's held-out problems, measured as
 examples/code_collab.py measures it (MAGRPOTrainer.evaluate with the code task's eval hooks).
 
-    python scripts/build_code_model.py [--steps 600] [--seed 0] [--cache-dir DIR] [--no-eval] [--write-asset]
+    python scripts/build_code_model.py [--steps N] [--seed 0] [--cache-dir DIR] [--no-eval] [--write-asset]
 
 The package ships the default model (comlrl/assets/code-model, with the recipe it was built from),
 so a fresh machine copies it rather than spending minutes building it; the copy is used only while
@@ -21,7 +21,7 @@ import time
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=None, help="default: comlrl.testing.CODE_MODEL_STEPS")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--no-eval", action="store_true")
@@ -29,7 +29,9 @@ def main() -> None:
                         help="build here and replace the package's copy (comlrl/assets/code-model)")
     args = parser.parse_args()
     os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
-    from comlrl.testing import code_model_dir, write_code_model_asset
+    from comlrl.testing import CODE_MODEL_STEPS, code_model_dir, write_code_model_asset
+
+    args.steps = args.steps or CODE_MODEL_STEPS
 
     wall, cpu = time.perf_counter(), time.process_time()
     # --write-asset builds afresh (a cached build may predate a change to the corpus or training).
@@ -47,7 +49,7 @@ def main() -> None:
 
     from comlrl.sandbox import Sandbox
     from comlrl.tasks.code import (code_collab_reward, code_eval_logger, generated_split, helper_formatter,
-                                   main_formatter, pass_at_k_aggregator)
+                                   main_formatter, pass_at_k_aggregator, repeat_rows)
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
     agents = [AutoModelForCausalLM.from_pretrained(path) for _ in range(2)]
@@ -56,7 +58,7 @@ def main() -> None:
     with Sandbox(timeout_s=5) as sandbox:
         trainer = MAGRPOTrainer(agents=agents, tokenizer=AutoTokenizer.from_pretrained(path),
                                 formatters=[helper_formatter, main_formatter], reward_func=code_collab_reward(sandbox),
-                                train_dataset=train, eval_dataset=evals, eval_logger=code_eval_logger(sandbox),
+                                train_dataset=train, eval_dataset=repeat_rows(evals, 4), eval_logger=code_eval_logger(sandbox),
                                 eval_aggregator=pass_at_k_aggregator(), args=MAGRPOConfig(
                                     num_turns=1, num_generations=4, max_new_tokens=48, eval_num_samples=0,
                                     eval_batch_size=16,
@@ -64,7 +66,7 @@ def main() -> None:
         start = time.perf_counter()
         metrics = trainer.evaluate()
         trainer.close()
-    print(f"warm pass@1 on {len(evals)} held-out problems: {metrics['eval/pass@1']:.3f} "
+    print(f"warm pass@1 on {len(evals)} held-out problems, 4 answers each: {metrics['eval/pass@1']:.3f} "
           f"(reward {metrics['eval/reward_mean']:.3f}; {time.perf_counter() - start:.1f} s)")
 
 

@@ -100,3 +100,31 @@ def test_more_rows_per_composition_keep_the_same_split():
     train4, evals4 = generated_split(rows_per_composition=4)
     assert evals4["task_id"] == evals["task_id"] and evals4["prompt"] == evals["prompt"]
     assert not set(train4["composition"]) & set(evals["composition"])
+
+
+def test_every_step_of_a_held_out_problem_is_taught_by_train_problems():
+    """Held-out problems are new compositions of steps the train split has (each step of each
+    held-out composition is in at least ``min_train_uses`` train compositions), never a step with
+    no example; a split that cannot keep that is refused with the numbers to change."""
+    def steps(key):
+        kind, first, second = key.split(":")
+        return [(kind, "first", first), (kind, "second", second)]
+
+    for seed, size, least in ((0, 48, 2), (1, 20, 3)):
+        train, evals = generated_split(eval_size=size, seed=seed, min_train_uses=least)
+        assert len(evals) == size
+        uses: dict = {}
+        for key in train["composition"]:
+            for step in steps(key):
+                uses[step] = uses.get(step, 0) + 1
+        assert all(uses.get(step, 0) >= least for key in evals["composition"] for step in steps(key))
+    with pytest.raises(ValueError, match="min_train_uses=50"):
+        generated_split(min_train_uses=50)
+
+
+def test_hold_out_keeps_each_step_in_the_keys_left():
+    from comlrl.tasks.code.generated import hold_out
+
+    keys = ["list:a:x", "list:a:y", "list:b:x", "list:b:y", "list:c:z"]
+    assert hold_out(keys, 5, 1) == ["list:a:x", "list:b:y"]   # then a, b, x and y are each down to one
+    assert hold_out(keys, 1, 1) == ["list:a:x"] and hold_out(keys, 5, 0) == keys

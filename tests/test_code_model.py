@@ -15,16 +15,39 @@ from comlrl.tasks.code import generated_split
 pytestmark = pytest.mark.xdist_group("code_model")
 
 
-def test_the_corpus_holds_train_problems_only():
+def _docstring(prompt: str) -> str:
+    return prompt.split('"""')[1].splitlines()[0]
+
+
+def test_the_corpus_holds_train_compositions_only_and_never_an_rl_row():
+    from comlrl.tasks.code import helper_formatter, main_formatter
+
     pairs = testing.code_sft_corpus()
     train, evals = generated_split()
-    rl = train.select(range(testing.CODE_RL_PROBLEMS))
-    sft = train.select(range(testing.CODE_RL_PROBLEMS, len(train)))
-    assert len(pairs) > 2 * len(sft)   # several rows per fine-tuned composition, two roles each
-    for unseen in (evals, rl):         # held-out problems, and those left for RL
-        docs = {r["prompt"].split('"""')[1].splitlines()[0] for r in unseen}
-        assert not [p for p, _ in pairs if p.split('"""')[1].splitlines()[0] in docs]
-    assert {c for _, c in pairs} >= {sft[0]["aux_solution"], sft[0]["main_solution"]}
+    rl = testing.code_rl_problems()
+    prompts = {p for p, _ in pairs}
+    assert len(rl) == min(testing.CODE_RL_PROBLEMS, len(train)) and rl["task_id"] == train["task_id"][:len(rl)]
+    assert {_docstring(r["prompt"]) for r in train} == {_docstring(p) for p in prompts}   # every train composition
+    assert not {_docstring(r["prompt"]) for r in evals} & {_docstring(p) for p in prompts}  # no held-out one
+    assert not prompts & ({helper_formatter(r) for r in rl} | {main_formatter(r) for r in rl})  # no RL row
+    assert len(pairs) > 4 * len(train)   # several rows per composition, two roles each
+
+
+def test_the_corpus_slips_are_the_documented_share_of_each_role():
+    """A seeded share of each role's answers holds its slip (aux returns its argument; the entry
+    point applies the second step to its argument, not to aux's result); the others are the
+    references. One role's share moves none of the other role's answers."""
+    pairs = testing.code_sft_corpus()
+    aux = [c for p, c in pairs if c.startswith("def aux(")]
+    main = [c for p, c in pairs if c.startswith("def solve(")]
+    assert len(aux) == len(main) == len(pairs) // 2
+    aux_slips = sum(c.splitlines()[1].strip() in ("return numbers", "return text") for c in aux)
+    main_slips = sum(" values = aux(" in c and "values" not in c.splitlines()[2] for c in main)
+    for count, role in ((aux_slips, "aux"), (main_slips, "main")):
+        assert abs(count / len(aux) - testing.CODE_SFT_SLIPS[role]) < 0.06, (role, count / len(aux))
+    without = testing.code_sft_corpus(slips={"aux": testing.CODE_SFT_SLIPS["aux"], "main": 0.0})
+    assert [c for c in without if c[1].startswith("def aux(")] == [c for c in pairs if c[1].startswith("def aux(")]
+    assert not any("values" not in c.splitlines()[2] for _, c in without if c.startswith("def solve("))
 
 
 def test_build_is_deterministic_cached_and_loadable(tmp_path, monkeypatch):
@@ -99,7 +122,7 @@ def test_the_warm_model_writes_the_task_s_code(tmp_path):
 
     from comlrl.sandbox import Sandbox
     from comlrl.tasks.code import (code_collab_reward, code_eval_logger, helper_formatter, main_formatter,
-                                   pass_at_k_aggregator)
+                                   pass_at_k_aggregator, repeat_rows)
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 
     path = testing.code_model_dir()
@@ -108,7 +131,7 @@ def test_the_warm_model_writes_the_task_s_code(tmp_path):
         trainer = MAGRPOTrainer(agents=[AutoModelForCausalLM.from_pretrained(path) for _ in range(2)],
                                 tokenizer=AutoTokenizer.from_pretrained(path),
                                 formatters=[helper_formatter, main_formatter], reward_func=code_collab_reward(sandbox),
-                                train_dataset=train, eval_dataset=evals, eval_logger=code_eval_logger(sandbox),
+                                train_dataset=train, eval_dataset=repeat_rows(evals, 4), eval_logger=code_eval_logger(sandbox),
                                 eval_aggregator=pass_at_k_aggregator(),
                                 args=MAGRPOConfig(num_turns=1, num_generations=4, max_new_tokens=48, eval_num_samples=0,
                                                   eval_batch_size=16, output_dir=str(tmp_path)))
@@ -129,7 +152,7 @@ def test_the_example_reports_pass_at_1_from_before_training(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "examples/code_collab.py", "--train-size", "4", "--eval-size", "4",
-                           "--eval-every", "2", "--turns", "2", "--output-dir", str(tmp_path)],
+                           "--eval-every", "2", "--epochs", "1", "--turns", "2", "--output-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=900, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sandbox isolation (" in proc.stdout and "turn-2 pass@1" in proc.stdout

@@ -7,13 +7,14 @@ second (docs/code.md, "A generated task").
     train, evals = generated_split(seed=0)      # datasets.Dataset each, columns GENERATED_COLUMNS
 
 Every problem is a *composition*: a first step that turns a list of integers into a list (``keep
-only the even numbers``, ``add 3 to every number``, ...) or a string into a string (``reverse it``,
-``remove every 'a'``, ...), then a second step that turns that into the answer (``return their
-sum``, ``return how many times 'e' occurs in it``, ...). Rows carry the usual HumanEval columns
-(``prompt`` with signature, docstring and one example; ``entry_point``; ``test`` with a
-``check(candidate)`` of several asserts; ``canonical_solution``) and the two parts of the reference
-answer, ``aux_solution`` and ``main_solution``. The eval split holds compositions that no train row
-has (each composition is in one split only), so it measures what was learnt, not what was seen.
+only the even numbers``, ``double every number``, ...) or a string into a string (``reverse it``,
+``remove the vowels``, ...), then a second step that turns that into the answer (``return their
+sum``, ``return how many vowels it has``, ...). No step is said with a number or a letter to copy.
+Rows carry the usual HumanEval columns (``prompt`` with signature, docstring and one example;
+``entry_point``; ``test`` with a ``check(candidate)`` of several asserts; ``canonical_solution``)
+and the two parts of the reference answer, ``aux_solution`` and ``main_solution``. The eval split
+holds compositions that no train row has (each composition is in one split only), each of whose
+steps train compositions use, so it measures composing what was learnt, not what was seen.
 Compositions whose first step does not change the answer on the tests are left out.
 """
 
@@ -24,7 +25,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["generated_rows", "generated_split", "GENERATED_COLUMNS", "ENTRY_POINT", "compositions"]
+__all__ = ["generated_rows", "generated_split", "GENERATED_COLUMNS", "ENTRY_POINT", "compositions", "hold_out"]
 
 # Every problem's entry point: what tells problems apart is the docstring, so a small model does
 # not have to copy a long made-up name (``count_a_to_o``) from the prompt to score at all.
@@ -43,28 +44,49 @@ class _Step:
     name: str         # part of the entry point's name
 
 
+# Every step is said in words without a number or a letter to copy ("keep only the positive
+# numbers", not "keep only the numbers greater than 3"): measured on the small code model, a step
+# with a constant was wrong on held-out problems in the same way in every sample (it wrote the
+# constant of a composition it had seen), which is no lesson RL can learn from other problems.
+_VOWELS = "aeiou"
+
+
 def _list_firsts() -> list[_Step]:
-    steps = [_Step("even", "keep only the even numbers", "[x for x in numbers if x % 2 == 0]",
-                   lambda v: [x for x in v if x % 2 == 0], "evens"),
-             _Step("odd", "keep only the odd numbers", "[x for x in numbers if x % 2 == 1]",
-                   lambda v: [x for x in v if x % 2 == 1], "odds"),
-             _Step("square", "square every number", "[x * x for x in numbers]", lambda v: [x * x for x in v],
-                   "squares"),
-             _Step("abs", "take the absolute value of every number", "[abs(x) for x in numbers]",
-                   lambda v: [abs(x) for x in v], "absolutes"),
-             _Step("reverse", "reverse the list", "numbers[::-1]", lambda v: v[::-1], "reversed"),
-             _Step("sort", "sort the numbers from smallest to largest", "sorted(numbers)", sorted, "sorted")]
-    for k in range(1, 6):
-        steps += [_Step(f"gt{k}", f"keep only the numbers greater than {k}", f"[x for x in numbers if x > {k}]",
-                        lambda v, k=k: [x for x in v if x > k], f"above_{k}"),
-                  _Step(f"lt{k}", f"keep only the numbers less than {k}", f"[x for x in numbers if x < {k}]",
-                        lambda v, k=k: [x for x in v if x < k], f"below_{k}"),
-                  _Step(f"add{k}", f"add {k} to every number", f"[x + {k} for x in numbers]",
-                        lambda v, k=k: [x + k for x in v], f"plus_{k}")]
-    for k in range(2, 5):
-        steps.append(_Step(f"mul{k}", f"multiply every number by {k}", f"[x * {k} for x in numbers]",
-                           lambda v, k=k: [x * k for x in v], f"times_{k}"))
-    return steps
+    return [_Step("even", "keep only the even numbers", "[x for x in numbers if x % 2 == 0]",
+                  lambda v: [x for x in v if x % 2 == 0], "evens"),
+            _Step("odd", "keep only the odd numbers", "[x for x in numbers if x % 2 == 1]",
+                  lambda v: [x for x in v if x % 2 == 1], "odds"),
+            _Step("positive", "keep only the positive numbers", "[x for x in numbers if x > 0]",
+                  lambda v: [x for x in v if x > 0], "positives"),
+            _Step("negative", "keep only the negative numbers", "[x for x in numbers if x < 0]",
+                  lambda v: [x for x in v if x < 0], "negatives"),
+            _Step("nonzero", "remove the zeros", "[x for x in numbers if x != 0]",
+                  lambda v: [x for x in v if x != 0], "nonzeros"),
+            _Step("square", "square every number", "[x * x for x in numbers]", lambda v: [x * x for x in v],
+                  "squares"),
+            _Step("abs", "take the absolute value of every number", "[abs(x) for x in numbers]",
+                  lambda v: [abs(x) for x in v], "absolutes"),
+            _Step("double", "double every number", "[x * 2 for x in numbers]", lambda v: [x * 2 for x in v],
+                  "doubled"),
+            _Step("triple", "triple every number", "[x * 3 for x in numbers]", lambda v: [x * 3 for x in v],
+                  "tripled"),
+            _Step("negate", "negate every number", "[-x for x in numbers]", lambda v: [-x for x in v], "negated"),
+            _Step("inc", "add one to every number", "[x + 1 for x in numbers]", lambda v: [x + 1 for x in v],
+                  "incremented"),
+            _Step("dec", "subtract one from every number", "[x - 1 for x in numbers]",
+                  lambda v: [x - 1 for x in v], "decremented"),
+            _Step("halve", "halve every number, rounding down", "[x // 2 for x in numbers]",
+                  lambda v: [x // 2 for x in v], "halved"),
+            _Step("reverse", "reverse the list", "numbers[::-1]", lambda v: v[::-1], "reversed"),
+            _Step("sort", "sort the numbers from smallest to largest", "sorted(numbers)", sorted, "sorted"),
+            _Step("sortdesc", "sort the numbers from largest to smallest", "sorted(numbers, reverse=True)",
+                  lambda v: sorted(v, reverse=True), "sorted_down"),
+            _Step("dedupe", "remove repeated numbers, keeping the first of each", "list(dict.fromkeys(numbers))",
+                  lambda v: list(dict.fromkeys(v)), "distinct"),
+            _Step("alternate", "keep every other number, starting with the first", "numbers[::2]",
+                  lambda v: v[::2], "alternate"),
+            _Step("dropfirst", "drop the first number", "numbers[1:]", lambda v: v[1:], "rest"),
+            _Step("droplast", "drop the last number", "numbers[:-1]", lambda v: v[:-1], "init")]
 
 
 _LIST_SECONDS = [
@@ -80,36 +102,43 @@ _LIST_SECONDS = [
           lambda v: v[-1] if v else 0, "last"),
 ]
 
-_LETTERS = "aeiost"
-
 
 def _string_firsts() -> list[_Step]:
-    steps = [_Step("upper", "change it to upper case", "text.upper()", str.upper, "upper"),
-             _Step("reverse", "reverse it", "text[::-1]", lambda s: s[::-1], "reversed"),
-             _Step("nospace", "remove the spaces", "text.replace(' ', '')", lambda s: s.replace(" ", ""),
-                   "unspaced"),
-             _Step("title", "capitalize every word", "text.title()", str.title, "titled")]
-    for c in _LETTERS:
-        steps.append(_Step(f"drop{c}", f"remove every '{c}'", f"text.replace('{c}', '')",
-                           lambda s, c=c: s.replace(c, ""), f"without_{c}"))
-    for a, b in (("a", "o"), ("e", "i"), ("o", "a"), ("s", "z")):
-        steps.append(_Step(f"swap{a}{b}", f"replace every '{a}' with '{b}'", f"text.replace('{a}', '{b}')",
-                           lambda s, a=a, b=b: s.replace(a, b), f"{a}_to_{b}"))
-    return steps
+    return [_Step("upper", "change it to upper case", "text.upper()", str.upper, "upper"),
+            _Step("reverse", "reverse it", "text[::-1]", lambda s: s[::-1], "reversed"),
+            _Step("nospace", "remove the spaces", "text.replace(' ', '')", lambda s: s.replace(" ", ""),
+                  "unspaced"),
+            _Step("title", "capitalize every word", "text.title()", str.title, "titled"),
+            _Step("novowels", "remove the vowels", f"''.join(c for c in text if c not in '{_VOWELS}')",
+                  lambda s: "".join(c for c in s if c not in _VOWELS), "consonants"),
+            _Step("vowels", "keep only the vowels", f"''.join(c for c in text if c in '{_VOWELS}')",
+                  lambda s: "".join(c for c in s if c in _VOWELS), "vowels"),
+            _Step("dashes", "replace the spaces with dashes", "text.replace(' ', '-')",
+                  lambda s: s.replace(" ", "-"), "dashed"),
+            _Step("revwords", "reverse the order of the words", "' '.join(text.split()[::-1])",
+                  lambda s: " ".join(s.split()[::-1]), "words_reversed"),
+            _Step("sortwords", "sort the words alphabetically", "' '.join(sorted(text.split()))",
+                  lambda s: " ".join(sorted(s.split())), "words_sorted"),
+            _Step("doubled", "double every character", "''.join(c * 2 for c in text)",
+                  lambda s: "".join(c * 2 for c in s), "doubled")]
 
 
 def _string_seconds() -> list[_Step]:
-    steps = [_Step("len", "return its length", "len(values)", len, "length"),
-             _Step("words", "return how many words it has", "len(values.split())", lambda s: len(s.split()),
-                   "word_count"),
-             _Step("head", "return its first character, or '' if it is empty", "values[:1]", lambda s: s[:1],
-                   "first_char"),
-             _Step("tail", "return its last character, or '' if it is empty", "values[-1:]", lambda s: s[-1:],
-                   "last_char")]
-    for c in _LETTERS:
-        steps.append(_Step(f"count{c}", f"return how many times '{c}' occurs in it", f"values.count('{c}')",
-                           lambda s, c=c: s.count(c), f"count_{c}"))
-    return steps
+    return [_Step("len", "return its length", "len(values)", len, "length"),
+            _Step("words", "return how many words it has", "len(values.split())", lambda s: len(s.split()),
+                  "word_count"),
+            _Step("head", "return its first character, or '' if it is empty", "values[:1]", lambda s: s[:1],
+                  "first_char"),
+            _Step("tail", "return its last character, or '' if it is empty", "values[-1:]", lambda s: s[-1:],
+                  "last_char"),
+            _Step("nvowels", "return how many vowels it has", f"sum(c in '{_VOWELS}' for c in values)",
+                  lambda s: sum(c in _VOWELS for c in s), "vowel_count"),
+            _Step("nspaces", "return how many spaces it has", "values.count(' ')", lambda s: s.count(" "),
+                  "space_count"),
+            _Step("ncapitals", "return how many capital letters it has", "sum(c.isupper() for c in values)",
+                  lambda s: sum(c.isupper() for c in s), "capital_count"),
+            _Step("distinct", "return how many different characters it has", "len(set(values))",
+                  lambda s: len(set(s)), "distinct_chars")]
 
 
 _WORDS = ("apple", "stone", "river", "east", "toast", "moon", "sister", "idea", "oasis", "tea", "sauce", "test",
@@ -221,18 +250,52 @@ def generated_rows(seed: int = 0, rows_per_composition: int = 1, tests: int = 5)
     return out
 
 
+def hold_out(keys: list[str], count: int, keep: int) -> list[str]:
+    """The first ``count`` composition keys (``kind:first:second``, in ``keys``' order) that can be
+    taken out of ``keys`` while each of their two steps stays in at least ``keep`` of the keys left;
+    fewer when no more can be. Deterministic for the same ``keys``: the split of held-out problems
+    (and the code model's split of fine-tuning and RL problems) is made with it, so that every step
+    a held-out problem uses was seen in other compositions."""
+    def steps(key: str) -> tuple[tuple[str, str], tuple[str, str]]:
+        kind, first, second = key.split(":")
+        return (kind, "first:" + first), (kind, "second:" + second)
+
+    uses: dict[tuple[str, str], int] = {}
+    for key in keys:
+        for step in steps(key):
+            uses[step] = uses.get(step, 0) + 1
+    out: list[str] = []
+    for key in keys:
+        if len(out) == count:
+            break
+        if all(uses[step] > keep for step in steps(key)):
+            out.append(key)
+            for step in steps(key):
+                uses[step] -= 1
+    return out
+
+
 def generated_split(eval_size: int = 48, seed: int = 0, rows_per_composition: int = 1, tests: int = 5,
-                    eval_rows_per_composition: int = 1) -> tuple[Any, Any]:
-    """``(train, eval)`` as ``datasets.Dataset``: the first ``eval_size`` compositions of
-    :func:`generated_rows`'s order for evaluation (``eval_rows_per_composition`` rows each), the
-    others for training (``rows_per_composition`` rows each). No composition is in both."""
+                    eval_rows_per_composition: int = 1, min_train_uses: int = 2) -> tuple[Any, Any]:
+    """``(train, eval)`` as ``datasets.Dataset``: ``eval_size`` compositions held out for evaluation
+    (``eval_rows_per_composition`` rows each), the others for training (``rows_per_composition`` rows
+    each). No composition is in both. The held-out ones are taken in :func:`generated_rows`'s order,
+    skipping any whose first or second step would then be used by fewer than ``min_train_uses``
+    train compositions (:func:`hold_out`): a held-out problem is a new composition of steps the
+    train split teaches, never a step it has no example of."""
     from datasets import Dataset
 
     rows = generated_rows(seed, max(rows_per_composition, eval_rows_per_composition), tests)
     keys = list(dict.fromkeys(r["composition"] for r in rows))
     if not 0 < eval_size < len(keys):
         raise ValueError(f"eval_size={eval_size} must leave both parts non-empty: 1..{len(keys) - 1} compositions.")
-    held = set(keys[:eval_size])
+    if min_train_uses < 0:
+        raise ValueError(f"min_train_uses must be >= 0, got {min_train_uses}.")
+    held = set(hold_out(keys, eval_size, min_train_uses))
+    if len(held) < eval_size:
+        raise ValueError(f"eval_size={eval_size} is too large for min_train_uses={min_train_uses}: at most "
+                         f"{len(held)} compositions can be held out with each step kept in {min_train_uses} train "
+                         "compositions; lower one of them.")
     seen: dict[str, int] = {}
     train, evals = [], []
     for r in rows:
