@@ -94,7 +94,9 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=64, help="evaluate before every this many train problems")
     parser.add_argument("--lr", type=float, default=None, help="default: 2e-4 for the small model, 5e-6 otherwise")
     parser.add_argument("--max-new-tokens", type=int, default=None)
-    parser.add_argument("--num-generations", type=int, default=8, help="joint answers per problem (the GRPO group)")
+    parser.add_argument("--num-generations", type=int, default=None,
+                        help="joint answers per problem and turn (the GRPO group); default 8, or 4 with --turns 2 "
+                             "(each turn-1 answer gets this many turn-2 answers)")
     parser.add_argument("--prompts-per-step", type=int, default=8,
                         help="train problems sampled before each update (rollout_buffer_size)")
     parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (training and eval)")
@@ -121,7 +123,7 @@ def main() -> None:
             external_transition=test_feedback_transition(sandbox) if args.turns > 1 else None,
             train_dataset=train, eval_dataset=repeat_rows(evals, args.eval_samples),
             eval_logger=code_eval_logger(sandbox), eval_aggregator=pass_at_k_aggregator(ks=(1,)),
-            args=MAGRPOConfig(num_turns=args.turns, num_train_epochs=epochs, num_generations=args.num_generations,
+            args=MAGRPOConfig(num_turns=args.turns, num_train_epochs=epochs, num_generations=args.num_generations or (8 if args.turns == 1 else 4),
                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               max_new_tokens=args.max_new_tokens or (48 if small else 256),
                               agent_learning_rate=args.lr or (2e-4 if small else 5e-6), max_grad_norm=1.0,
