@@ -152,7 +152,8 @@ def test_the_example_reports_pass_at_1_from_before_training(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "examples/code_collab.py", "--train-size", "4", "--eval-size", "4",
-                           "--eval-every", "2", "--epochs", "1", "--turns", "2", "--output-dir", str(tmp_path)],
+                           "--eval-every", "2", "--prompts-per-step", "2", "--epochs", "1", "--turns", "2",
+                           "--output-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=900, cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "sandbox isolation (" in proc.stdout and "turn-2 pass@1" in proc.stdout
