@@ -4,7 +4,8 @@ each phase timed: rollout, reward, update (issue 28).
 
     python benchmarks/code_epoch.py [--train-size 64] [--runs 1] [--comlrl-python /tmp/venv-comlrl143/bin/python]
 
-The workload is examples/code_collab.py's default: the small code model (comlrl.testing.code_model_dir(),
+The workload is examples/code_collab.py's as it was when this benchmark was written (the example now
+samples K = 8 with 8 rows per buffer and lr 2e-4): the small code model (comlrl.testing.code_model_dir(),
 the directory scripts/build_code_model.py builds; a 400k-parameter Qwen2), two agents (agent 1 writes
 ``aux``, agent 2 the entry point, prompts from helper_formatter / main_formatter), the first
 ``--train-size`` train rows of comlrl.tasks.code.generated_split(), K = 4 joint answers per row, 1 turn,

@@ -48,7 +48,8 @@ import torch
 __all__ = ["tiny_model_dir", "build_tiny_tokenizer", "build_tiny_model", "cache_root", "qwen_vocab_model_dir",
            "build_qwen_vocab_tokenizer", "SEED_PROMPTS", "length_ratio_reward", "qwen2_model_dir",
            "QWEN2_5_0_5B_SHAPE", "code_model_dir", "build_code_model", "code_sft_corpus", "code_rl_problems",
-           "CODE_MODEL_SHAPE", "CODE_MODEL_STEPS", "CODE_SFT_SLIPS", "code_model_recipe", "write_code_model_asset", "CODE_MODEL_ASSET"]
+           "CODE_MODEL_SHAPE", "CODE_MODEL_STEPS", "CODE_SFT_SLIPS", "code_model_recipe", "write_code_model_asset",
+           "CODE_MODEL_ASSET"]
 
 _CORPUS = """
 Describe a city in the clouds: towers of glass float above a sea of white mist, and bridges of
@@ -327,10 +328,14 @@ def _slipped(row: Mapping[str, Any], role: str) -> str:
     """The row's reference answer for ``role`` with its slip: ``aux`` returns its argument
     unchanged (the first step forgotten); the entry point calls ``aux`` but applies the second step
     to its own argument instead of to ``aux``'s result."""
-    arg = "numbers" if "(numbers)" in row["aux_solution"] else "text"
+    lines = row["main_solution"].splitlines()
+    match = re.fullmatch(r"def \w+\((\w+)\):", lines[0])
+    if len(lines) != 3 or match is None:
+        raise ValueError(f"not a generated row's main_solution (def, values = aux(...), return): {lines!r}")
+    arg = match.group(1)
     if role == "aux":
         return f"def aux({arg}):\n    return {arg}\n"
-    head, call, ret = row["main_solution"].splitlines()
+    head, call, ret = lines
     return "\n".join([head, call, re.sub(r"\bvalues\b", arg, ret)]) + "\n"
 
 
@@ -349,9 +354,9 @@ def code_sft_corpus(seed: int = 0, rows_per_composition: int = 8,
     from .tasks.code import generated_split, helper_formatter, main_formatter
 
     slips = dict(CODE_SFT_SLIPS if slips is None else slips)
-    rl_rows = generated_split(seed=seed)[0]
-    # An RL row, or another row whose prompt (docstring and example) is an RL row's, stays out.
-    left_out = set(rl_rows["task_id"]) | set(rl_rows["prompt"])
+    split_rows = generated_split(seed=seed)[0]   # the split's own rows: code_rl_problems() takes the first ones
+    # Those rows, and any other row whose prompt (docstring and example) is one of theirs, stay out.
+    left_out = set(split_rows["task_id"]) | set(split_rows["prompt"])
     train, _ = generated_split(seed=seed, rows_per_composition=rows_per_composition + 1)
     pairs = []
     for row in train:

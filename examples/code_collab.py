@@ -9,7 +9,7 @@ By default the agents are the small code model of comlrl.testing.code_model_dir(
 Qwen2 fine-tuned offline on the train split of the generated task, slips included: docs/code.md;
 the package ships it) and the task is comlrl.tasks.code.generated_split(): two-step problems (a
 helper's step, then the main function's) whose eval problems are compositions neither the
-fine-tuning nor RL saw. RL trains on comlrl.testing.code_rl_problems() for 4 epochs, about 40 s on
+fine-tuning nor RL saw. RL trains on comlrl.testing.code_rl_problems() for 4 epochs, 40-80 s on
 2 CPU cores; held-out pass@1 rises from about 0.12 to about 0.4 (docs/code.md has the seeds). The
 run prints the sandbox's isolation, a progress bar, pass@1 on the eval problems at every
 evaluation (the first before any training), a table and a plot, and writes metrics.jsonl (its eval
@@ -36,7 +36,7 @@ from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer
 def task(name: str, train_size: int, eval_size: int):
     if name == "generated":
         # The rows RL trains on; the small model was fine-tuned on other rows (comlrl.testing.code_rl_problems).
-        train, evals = code_rl_problems(), generated_split()[1]
+        train, evals = code_rl_problems(count=train_size), generated_split()[1]
     else:
         train, evals = humaneval_split("train"), humaneval_split("eval")
     return train.select(range(min(train_size, len(train)))), evals.select(range(min(eval_size, len(evals))))
@@ -90,15 +90,17 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=1, help="2: the second turn sees the failing tests")
     parser.add_argument("--train-size", type=int, default=64, help="train problems")
     parser.add_argument("--eval-size", type=int, default=48, help="held-out problems for pass@1")
-    parser.add_argument("--eval-samples", type=int, default=4, help="answers sampled per held-out problem")
+    parser.add_argument("--eval-samples", type=int, default=None,
+                        help="answers sampled per held-out problem (default: 4 for the small model, 1 otherwise)")
     parser.add_argument("--eval-every", type=int, default=64, help="evaluate before every this many train problems")
     parser.add_argument("--lr", type=float, default=None, help="default: 2e-4 for the small model, 5e-6 otherwise")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--num-generations", type=int, default=None,
-                        help="joint answers per problem and turn (the GRPO group); default 8, or 4 with --turns 2 "
-                             "(each turn-1 answer gets this many turn-2 answers)")
-    parser.add_argument("--prompts-per-step", type=int, default=8,
-                        help="train problems sampled before each update (rollout_buffer_size)")
+                        help="joint answers per problem and turn (the GRPO group); default 4, or 8 for the small "
+                             "model in one turn (with --turns 2 each turn-1 answer gets this many turn-2 answers)")
+    parser.add_argument("--prompts-per-step", type=int, default=None,
+                        help="train problems sampled before each update (rollout_buffer_size; default: 8 for the small "
+                             "model, 2 otherwise)")
     parser.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (training and eval)")
     parser.add_argument("--top-p", type=float, default=0.6, help="nucleus sampling (training and eval)")
     parser.add_argument("--top-k", type=int, default=50, help="0: no limit")
@@ -107,7 +109,14 @@ def main() -> None:
                         help="metrics.jsonl and the plot (default: a temporary folder)")
     args = parser.parse_args()
     small = args.model is None
-    epochs = args.epochs or (4 if small else 1)
+
+    def given(value, default):
+        return default if value is None else value
+
+    epochs = given(args.epochs, 4 if small else 1)
+    eval_samples = given(args.eval_samples, 4 if small else 1)
+    if min(epochs, eval_samples) < 1:
+        parser.error("--epochs and --eval-samples must be >= 1")
     model = args.model or str(code_model_dir(log_every=50))
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="code-collab-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -121,13 +130,14 @@ def main() -> None:
             formatters=[helper_formatter, main_formatter],
             reward_func=code_collab_reward(sandbox),
             external_transition=test_feedback_transition(sandbox) if args.turns > 1 else None,
-            train_dataset=train, eval_dataset=repeat_rows(evals, args.eval_samples),
+            train_dataset=train, eval_dataset=repeat_rows(evals, eval_samples),
             eval_logger=code_eval_logger(sandbox), eval_aggregator=pass_at_k_aggregator(ks=(1,)),
-            args=MAGRPOConfig(num_turns=args.turns, num_train_epochs=epochs, num_generations=args.num_generations or (8 if args.turns == 1 else 4),
+            args=MAGRPOConfig(num_turns=args.turns, num_train_epochs=epochs,
+                              num_generations=given(args.num_generations, 8 if small and args.turns == 1 else 4),
                               temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              max_new_tokens=args.max_new_tokens or (48 if small else 256),
-                              agent_learning_rate=args.lr or (2e-4 if small else 5e-6), max_grad_norm=1.0,
-                              rollout_buffer_size=args.prompts_per_step, logging_steps=1,
+                              max_new_tokens=given(args.max_new_tokens, 48 if small else 256),
+                              agent_learning_rate=given(args.lr, 2e-4 if small else 5e-6), max_grad_norm=1.0,
+                              rollout_buffer_size=given(args.prompts_per_step, 8 if small else 2), logging_steps=1,
                               eval_interval=args.eval_every, eval_num_samples=0, eval_batch_size=16,
                               early_termination_threshold=None, seed=args.seed, output_dir=str(out)),
         )

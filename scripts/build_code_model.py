@@ -31,7 +31,7 @@ def main() -> None:
     os.environ.setdefault("COMLRL_DISABLE_PROGRESS", "1")
     from comlrl.testing import CODE_MODEL_STEPS, code_model_dir, write_code_model_asset
 
-    args.steps = args.steps or CODE_MODEL_STEPS
+    args.steps = CODE_MODEL_STEPS if args.steps is None else args.steps
 
     wall, cpu = time.perf_counter(), time.process_time()
     # --write-asset builds afresh (a cached build may predate a change to the corpus or training).
@@ -58,7 +58,8 @@ def main() -> None:
     with Sandbox(timeout_s=5) as sandbox:
         trainer = MAGRPOTrainer(agents=agents, tokenizer=AutoTokenizer.from_pretrained(path),
                                 formatters=[helper_formatter, main_formatter], reward_func=code_collab_reward(sandbox),
-                                train_dataset=train, eval_dataset=repeat_rows(evals, 4), eval_logger=code_eval_logger(sandbox),
+                                train_dataset=train, eval_dataset=repeat_rows(evals, 4),
+                                eval_logger=code_eval_logger(sandbox),
                                 eval_aggregator=pass_at_k_aggregator(), args=MAGRPOConfig(
                                     num_turns=1, num_generations=4, max_new_tokens=48, eval_num_samples=0,
                                     eval_batch_size=16,

@@ -128,3 +128,7 @@ def test_hold_out_keeps_each_step_in_the_keys_left():
     keys = ["list:a:x", "list:a:y", "list:b:x", "list:b:y", "list:c:z"]
     assert hold_out(keys, 5, 1) == ["list:a:x", "list:b:y"]   # then a, b, x and y are each down to one
     assert hold_out(keys, 1, 1) == ["list:a:x"] and hold_out(keys, 5, 0) == keys
+    with pytest.raises(ValueError, match="must be >= 0"):
+        hold_out(keys, -1, 1)
+    with pytest.raises(ValueError, match="min_train_uses must be >= 0"):
+        generated_split(min_train_uses=-1)

@@ -41,7 +41,7 @@ def test_magrpo_raises_held_out_pass_at_1_in_every_seed(tmp_path):
     results = []
     for seed in SEEDS:
         out = tmp_path / f"seed{seed}"
-        proc = subprocess.run([sys.executable, "examples/code_collab.py", "--seed", str(seed), "--eval-every", "256",
+        proc = subprocess.run([sys.executable, "examples/code_collab.py", "--seed", str(seed),
                                "--output-dir", str(out)], capture_output=True, text=True, timeout=900, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results.append(pass_at_1_rise(out))

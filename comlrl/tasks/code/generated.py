@@ -9,7 +9,7 @@ second (docs/code.md, "A generated task").
 Every problem is a *composition*: a first step that turns a list of integers into a list (``keep
 only the even numbers``, ``double every number``, ...) or a string into a string (``reverse it``,
 ``remove the vowels``, ...), then a second step that turns that into the answer (``return their
-sum``, ``return how many vowels it has``, ...). No step is said with a number or a letter to copy.
+sum``, ``return how many vowels it has``, ...). No step names a constant to copy (a threshold, a letter).
 Rows carry the usual HumanEval columns (``prompt`` with signature, docstring and one example;
 ``entry_point``; ``test`` with a ``check(candidate)`` of several asserts; ``canonical_solution``)
 and the two parts of the reference answer, ``aux_solution`` and ``main_solution``. The eval split
@@ -113,8 +113,6 @@ def _string_firsts() -> list[_Step]:
                   lambda s: "".join(c for c in s if c not in _VOWELS), "consonants"),
             _Step("vowels", "keep only the vowels", f"''.join(c for c in text if c in '{_VOWELS}')",
                   lambda s: "".join(c for c in s if c in _VOWELS), "vowels"),
-            _Step("dashes", "replace the spaces with dashes", "text.replace(' ', '-')",
-                  lambda s: s.replace(" ", "-"), "dashed"),
             _Step("revwords", "reverse the order of the words", "' '.join(text.split()[::-1])",
                   lambda s: " ".join(s.split()[::-1]), "words_reversed"),
             _Step("sortwords", "sort the words alphabetically", "' '.join(sorted(text.split()))",
@@ -251,11 +249,12 @@ def generated_rows(seed: int = 0, rows_per_composition: int = 1, tests: int = 5)
 
 
 def hold_out(keys: list[str], count: int, keep: int) -> list[str]:
-    """The first ``count`` composition keys (``kind:first:second``, in ``keys``' order) that can be
-    taken out of ``keys`` while each of their two steps stays in at least ``keep`` of the keys left;
-    fewer when no more can be. Deterministic for the same ``keys``: the split of held-out problems
-    (and the code model's split of fine-tuning and RL problems) is made with it, so that every step
-    a held-out problem uses was seen in other compositions."""
+    """Up to ``count`` composition keys (``kind:first:second``), taken greedily in ``keys``' order,
+    each skipped unless both its steps stay in more than ``keep`` of the keys left; fewer when the
+    order runs out. Deterministic for the same ``keys``: :func:`generated_split` holds out its eval
+    compositions with it, so that every step a held-out problem uses is in train compositions."""
+    if count < 0 or keep < 0:
+        raise ValueError(f"count and keep must be >= 0, got {count} and {keep}.")
     def steps(key: str) -> tuple[tuple[str, str], tuple[str, str]]:
         kind, first, second = key.split(":")
         return (kind, "first:" + first), (kind, "second:" + second)
@@ -293,9 +292,9 @@ def generated_split(eval_size: int = 48, seed: int = 0, rows_per_composition: in
         raise ValueError(f"min_train_uses must be >= 0, got {min_train_uses}.")
     held = set(hold_out(keys, eval_size, min_train_uses))
     if len(held) < eval_size:
-        raise ValueError(f"eval_size={eval_size} is too large for min_train_uses={min_train_uses}: at most "
-                         f"{len(held)} compositions can be held out with each step kept in {min_train_uses} train "
-                         "compositions; lower one of them.")
+        raise ValueError(f"eval_size={eval_size} is too large for min_train_uses={min_train_uses}: taking "
+                         f"compositions in order, only {len(held)} could be held out with each of their steps kept in "
+                         f"{min_train_uses} train compositions; lower one of them.")
     seen: dict[str, int] = {}
     train, evals = [], []
     for r in rows:
