@@ -354,10 +354,14 @@ def code_sft_corpus(seed: int = 0, rows_per_composition: int = 8,
     from .tasks.code import generated_split, helper_formatter, main_formatter
 
     slips = dict(CODE_SFT_SLIPS if slips is None else slips)
-    split_rows = generated_split(seed=seed)[0]   # the split's own rows: code_rl_problems() takes the first ones
-    # Those rows, and any other row whose prompt (docstring and example) is one of theirs, stay out.
-    left_out = set(split_rows["task_id"]) | set(split_rows["prompt"])
     train, _ = generated_split(seed=seed, rows_per_composition=rows_per_composition + 1)
+    # A composition's first row is the split's own (generated_split(seed)'s: code_rl_problems() takes
+    # the first ones). Those rows, and any other row whose prompt (docstring and example) is one of
+    # theirs, stay out.
+    split_rows: dict[str, Mapping[str, Any]] = {}
+    for row in train:
+        split_rows.setdefault(row["composition"], row)
+    left_out = {row["task_id"] for row in split_rows.values()} | {row["prompt"] for row in split_rows.values()}
     pairs = []
     for row in train:
         if row["task_id"] in left_out or row["prompt"] in left_out:

@@ -255,6 +255,7 @@ def hold_out(keys: list[str], count: int, keep: int) -> list[str]:
     compositions with it, so that every step a held-out problem uses is in train compositions."""
     if count < 0 or keep < 0:
         raise ValueError(f"count and keep must be >= 0, got {count} and {keep}.")
+
     def steps(key: str) -> tuple[tuple[str, str], tuple[str, str]]:
         kind, first, second = key.split(":")
         return (kind, "first:" + first), (kind, "second:" + second)
