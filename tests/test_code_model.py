@@ -164,3 +164,16 @@ def test_the_example_reports_pass_at_1_from_before_training(tmp_path):
     assert rows[0] is evals[0] and any("train/reward_mean" in r for r in rows)
     assert "eval/pass@1" in json.loads((tmp_path / "final_eval.json").read_text())
     assert (tmp_path / "code_collab.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flag", ["--epochs", "--eval-samples"])
+def test_the_example_refuses_zero_epochs_or_eval_samples_before_loading_anything(flag):
+    """0 is a value, not "use the default": it is refused with the flag's name, before a model loads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "examples/code_collab.py", flag, "0"], capture_output=True, text=True,
+                          timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2 and "--epochs and --eval-samples must be >= 1" in proc.stderr
+    assert "model:" not in proc.stdout
